@@ -1,0 +1,205 @@
+"""Benchmark harness: every case times tritondnn and its anchors in the same run.
+
+A suite module (``activation``, ``softmax``, ...) yields ``Case`` objects; ``run`` times each
+provider of each case with medians (``core.timing``) and prints a table with GB/s or TFLOP/s and
+the ratio of tritondnn to each anchor. Memory-bound suites start with device-to-device copies of
+the same tensors (cases named ``copy ...``): the best copy rate measured in the run is the
+physical limit each tritondnn row is compared with. Results are written as the JSON described in
+ARCHITECTURE.md and, on request, drawn as a chart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib
+import json
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+import triton
+
+from ..core.backend import INTERPRET, device_name
+from ..core.timing import host_us_per_call, median_ms
+
+SUITES = ("activation", "softmax")
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark case: the same work done by each provider.
+
+    Attributes:
+        name: shape, dtype, layout and direction, e.g. ``"gelu 16384x4096 bf16 fwd"``; cases
+            named ``"copy ..."`` measure the memory-bound limit.
+        providers: provider name (``"tritondnn"``, ``"torch"``, ``"torch.compile"``) to a callable
+            doing the work once.
+        bytes: bytes read plus bytes written once (memory-bound cases), or None.
+        flops: floating-point operations (compute-bound cases), or None.
+        host: time the host per call (launch overhead on a small tensor) instead of the device.
+    """
+
+    name: str
+    providers: dict[str, Callable[[], object]]
+    bytes: int | None = None
+    flops: int | None = None
+    host: bool = False
+
+    @property
+    def is_limit(self) -> bool:
+        return self.name.startswith("copy ")
+
+
+@dataclasses.dataclass
+class Row:
+    suite: str
+    case: str
+    provider: str
+    ms: float
+    tflops: float | None
+    gbps: float | None
+
+
+def providers(**fns: Callable[[], object] | None) -> dict[str, Callable[[], object]]:
+    """Provider names to callables, dropping anchors that do not apply (None); ``torch_compile``
+    is spelled ``torch.compile``."""
+    return {name.replace("_", "."): fn for name, fn in fns.items() if fn is not None}
+
+
+def compiled(fn: Callable, *args: object) -> Callable[[], object] | None:
+    """``torch.compile(fn)`` applied to ``args``, as an anchor where it applies (not under the
+    interpreter, where inductor would compile C++ for the CPU instead)."""
+    if INTERPRET:
+        return None
+    return functools.partial(torch.compile(fn), *args)
+
+
+def _time(case: Case, fn: Callable[[], object]) -> float:
+    if case.host:
+        return host_us_per_call(fn, calls=50 if INTERPRET else 5000) / 1e3
+    return median_ms(fn)
+
+
+class Table:
+    """Prints rows as they are measured, with ratios to the anchors and to the copy limit."""
+
+    def __init__(self, echo: Callable[[str], None] = print) -> None:
+        self.echo = echo
+        self.limit_gbps: float | None = None
+        echo(f"{'case':<46} {'provider':<14} {'time':>11} {'GB/s':>7} {'TFLOP/s':>8}  notes")
+
+    def add(self, case: Case, rows: Sequence[Row]) -> None:
+        if case.is_limit:
+            best = max(r.gbps or 0.0 for r in rows)
+            self.limit_gbps = max(self.limit_gbps or 0.0, best)
+        ours = next((r for r in rows if r.provider == "tritondnn"), None)
+        for row in rows:
+            notes = []
+            if row is ours:
+                notes += [f"{a.ms / row.ms:.2f}x {a.provider}" for a in rows if a is not ours]
+                if row.gbps and self.limit_gbps:
+                    notes.append(f"{row.gbps / self.limit_gbps:.0%} of copy")
+            time = f"{row.ms * 1e3:.2f} us" if row.ms < 0.1 else f"{row.ms:.4f} ms"
+            gbps = f"{row.gbps:.0f}" if row.gbps else "-"
+            tflops = f"{row.tflops:.1f}" if row.tflops else "-"
+            self.echo(
+                f"{row.case:<46} {row.provider:<14} {time:>11} {gbps:>7} {tflops:>8}  {', '.join(notes)}"
+            )
+
+
+def run_cases(suite: str, cases: Iterable[Case], table: Table) -> list[Row]:
+    """Time every provider of every case; each case's tensors are freed before the next is made."""
+    rows: list[Row] = []
+    for case in cases:
+        measured = []
+        for provider, fn in case.providers.items():
+            ms = _time(case, fn)
+            gbps = case.bytes / ms / 1e6 if case.bytes and not case.host else None
+            tflops = case.flops / ms / 1e9 if case.flops and not case.host else None
+            measured.append(Row(suite, case.name, provider, ms, tflops, gbps))
+        table.add(case, measured)
+        rows += measured
+    return rows
+
+
+def run(
+    suites: Sequence[str],
+    *,
+    quick: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[Row]:
+    """Run the named suites (all when empty) and write the results JSON and chart if asked."""
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES)}")
+    rows: list[Row] = []
+    echo(f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    for suite in suites or SUITES:
+        module = importlib.import_module(f"{__name__}.{suite}")
+        echo(f"\n[{suite}]")
+        rows += run_cases(suite, module.cases(quick), Table(echo))
+    if json_path:
+        write_json(rows, json_path)
+        echo(f"\nwrote {json_path}")
+    if plot_path:
+        plot(rows, plot_path)
+        echo(f"wrote {plot_path}")
+    return rows
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def write_json(rows: Sequence[Row], path: str) -> None:
+    """The results file of ARCHITECTURE.md: environment, then one row per case and provider."""
+    payload = {
+        "device": device_name() if not INTERPRET else "cpu (Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda or "none",
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+    """A bar chart per suite: each case's GB/s (or TFLOP/s) by provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = list(dict.fromkeys(r.suite for r in rows))
+    fig, axes = plt.subplots(len(suites), 1, figsize=(12, 0.3 * len(rows) + 2 * len(suites)), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites):
+        timed = [r for r in rows if r.suite == suite and (r.gbps or r.tflops)]
+        cases = list(dict.fromkeys(r.case for r in timed))
+        names = list(dict.fromkeys(r.provider for r in timed))
+        height = 0.8 / max(len(names), 1)
+        for i, provider in enumerate(names):
+            values = {r.case: r.gbps or r.tflops for r in timed if r.provider == provider}
+            ys = [c + i * height for c in range(len(cases)) if cases[c] in values]
+            ax.barh(ys, [values[c] for c in cases if c in values], height=height, label=provider)
+        ax.set_yticks([c + 0.4 - height / 2 for c in range(len(cases))], cases, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{suite} ({device_name()})")
+        ax.set_xlabel("GB/s (memory-bound) or TFLOP/s (compute-bound)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

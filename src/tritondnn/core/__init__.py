@@ -1,0 +1,1 @@
+"""What every family uses; knows no family."""

@@ -1,0 +1,75 @@
+"""The main job: run every implemented primitive, check it against PyTorch, time both.
+
+On a GPU the sizes are realistic (8192x4096, bf16 and fp32); under the interpreter they are tiny,
+since the point there is that everything runs and agrees. Each primitive is checked forward and
+backward against a float64 reference with the accuracy rule of ``core.accuracy``; the exit status
+is non-zero if any check fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from . import __version__
+from .core.accuracy import check
+from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
+from .core.timing import median_ms
+from .ops import activation as act
+from .ops import softmax as sm
+
+# name: (tritondnn, PyTorch); both are applied to the same input and differentiated.
+PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
+    "relu": (act.relu, F.relu),
+    "relu6 (clip=6)": (partial(act.relu, clip=6.0), F.relu6),
+    "leaky_relu": (act.leaky_relu, F.leaky_relu),
+    "elu": (act.elu, F.elu),
+    "sigmoid": (act.sigmoid, torch.sigmoid),
+    "tanh": (act.tanh, torch.tanh),
+    "gelu": (act.gelu, F.gelu),
+    "gelu (tanh)": (partial(act.gelu, approximate="tanh"), partial(F.gelu, approximate="tanh")),
+    "silu": (act.silu, F.silu),
+    "softplus": (act.softplus, F.softplus),
+    "softmax": (partial(sm.softmax, dim=-1), partial(torch.softmax, dim=-1)),
+    "log_softmax": (partial(sm.log_softmax, dim=-1), partial(torch.log_softmax, dim=-1)),
+}
+
+
+def _forward_backward(fn: Callable, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xg = x.detach().clone().requires_grad_(True)
+    y = fn(xg)
+    (dx,) = torch.autograd.grad(y, xg, dy)
+    return y.detach(), dx
+
+
+def main(echo: Callable[[str], None] = print) -> int:
+    shape = (64, 257) if INTERPRET else (8192, 4096)
+    dtypes = (torch.float32,) if INTERPRET else (torch.bfloat16, torch.float32)
+    echo(f"tritondnn {__version__} on {device_name()} ({backend()} backend), shape {shape[0]}x{shape[1]}")
+    echo(f"{'primitive':<16} {'dtype':<9} {'fwd err':>9} {'torch':>9} {'bwd err':>9} {'torch':>9} "
+         f"{'ours ms':>9} {'torch ms':>9} {'speedup':>8}  check")  # fmt: skip
+    failures = 0
+    for name, (ours, ref) in PRIMITIVES.items():
+        for dtype in dtypes:
+            x = torch.randn(shape, device=DEVICE_TYPE, dtype=dtype) * 3
+            dy = torch.randn_like(x)
+            y, dx = _forward_backward(ours, x, dy)
+            y_torch, dx_torch = _forward_backward(ref, x, dy)
+            y_ref, dx_ref = _forward_backward(ref, x.double(), dy.double())
+            fwd, bwd = check(y, y_ref, y_torch), check(dx, dx_ref, dx_torch)
+            ok = fwd.ok and bwd.ok
+            failures += not ok
+            ms_ours, ms_torch = median_ms(partial(ours, x)), median_ms(partial(ref, x))
+            torch_fwd, torch_bwd = check(y_torch, y_ref).error, check(dx_torch, dx_ref).error
+            echo(
+                f"{name:<16} {str(dtype).removeprefix('torch.'):<9} {fwd.error:>9.2e} "
+                f"{torch_fwd:>9.2e} {bwd.error:>9.2e} {torch_bwd:>9.2e} "
+                f"{ms_ours:>9.4f} {ms_torch:>9.4f} {ms_torch / ms_ours:>7.2f}x  {'ok' if ok else 'FAIL'}"
+            )
+    if INTERPRET:
+        echo("(interpreter: times are the CPU interpreter's, not a GPU's)")
+    echo("all checks passed" if not failures else f"{failures} check(s) failed")
+    return 1 if failures else 0

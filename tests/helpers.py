@@ -1,0 +1,54 @@
+"""Shared test helpers: the device, dtypes, layouts and the accuracy assertion."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import tritondnn as tdnn
+from tritondnn.core.accuracy import check
+from tritondnn.core.backend import DEVICE_TYPE
+
+DEVICE = DEVICE_TYPE
+ON_GPU = tdnn.backend() == "gpu"
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def assert_close(
+    ours: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor | None = None, what: str = ""
+):
+    """The ARCHITECTURE.md rule: within 2x PyTorch's own error (same dtype) plus atol(dtype)."""
+    assert ours.dtype == (torch_out.dtype if torch_out is not None else ours.dtype)
+    verdict = check(ours, ref, torch_out)
+    assert verdict.ok, f"{what}: error {verdict.error:.3e} > bound {verdict.bound:.3e} {verdict.detail}"
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, device=DEVICE, dtype=dtype) * scale
+
+
+# Layouts: functions from a contiguous tensor to the same values in another memory layout.
+LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.transpose(0, -1).contiguous().transpose(0, -1),
+    "channels_last": lambda t: t.to(memory_format=torch.channels_last) if t.ndim == 4 else t,
+    "sliced": lambda t: _sliced(t),
+}
+
+
+def _sliced(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a strided view into a larger buffer (every second element of the last dim)."""
+    big = torch.empty(*t.shape[:-1], 2 * t.shape[-1], device=t.device, dtype=t.dtype)
+    view = big[..., ::2]
+    view.copy_(t)
+    return view
+
+
+def grads(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor):
+    """(output, input gradient) of ``fn`` at ``x`` for output gradient ``dy``."""
+    xg = x.detach().requires_grad_(True)  # a new leaf over the same memory: the layout is kept
+    y = fn(xg)
+    (dx,) = torch.autograd.grad(y, xg, dy)
+    return y.detach(), dx

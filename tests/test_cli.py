@@ -1,0 +1,67 @@
+"""The command line: info, bench (JSON schema, chart), demo, autotune."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "tritondnn", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+    )
+
+
+def test_info():
+    result = _cli("info")
+    assert result.returncode == 0, result.stderr
+    for field in ("backend:", "device:", "torch:", "triton:", "config:", "cache:", "family softmax"):
+        assert field in result.stdout
+
+
+def test_bench_writes_the_results_schema(tmp_path):
+    out, chart = tmp_path / "r.json", tmp_path / "r.png"
+    result = _cli("bench", "softmax", "--quick", "--json", str(out), "--plot", str(chart))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert set(data) == {"device", "torch", "triton", "cuda", "date", "commit", "rows"}
+    assert len(data["date"]) == 10 and data["rows"]
+    for row in data["rows"]:
+        assert set(row) == {"suite", "case", "provider", "ms", "tflops", "gbps"}
+        assert row["suite"] == "softmax" and row["ms"] > 0
+    cases = {r["case"] for r in data["rows"]}
+    assert any(c.startswith("copy ") for c in cases)
+    for case in cases - {c for c in cases if c.startswith("copy ")}:
+        providers = {r["provider"] for r in data["rows"] if r["case"] == case}
+        assert {"tritondnn", "torch"} <= providers, case
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+    assert "x torch" in result.stdout  # the ratio column
+
+
+def test_bench_unknown_suite():
+    result = _cli("bench", "nosuch")
+    assert result.returncode == 2 and "unknown suite(s) nosuch" in result.stderr
+
+
+def test_demo_checks_every_primitive():
+    result = _cli("demo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in ("relu", "gelu", "silu", "softplus", "softmax", "log_softmax"):
+        assert f"\n{name} " in result.stdout
+    assert "all checks passed" in result.stdout and "FAIL" not in result.stdout
+
+
+@pytest.mark.slow
+def test_autotune_fills_the_cache(tmp_path):
+    result = _cli("autotune", "softmax", "--quick", TRITONDNN_CACHE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.glob("autotune-*.json"))

@@ -53,13 +53,24 @@ def test_layouts(layout, dim, poison):
 
 
 @pytest.mark.parametrize("log", [False, True])
-@pytest.mark.parametrize("n", [16385, 20011])
-def test_rows_longer_than_one_block(n, log, poison):
-    """Rows beyond the one-block engine's limit go to the two-pass engine, along either axis."""
+def test_rows_longer_than_one_block(log, poison):
+    """Rows beyond the one-block engine's limit go to the two-pass engine."""
+    x = randn(2, sm.MAX_ONE_BLOCK + 1, scale=5.0)
+    assert {r.name: r for r in tdnn.engines("softmax", x, dim=1)}["two-pass"].chosen
+    _check(x, 1, log)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("n", [300, 1001])
+def test_two_pass_along_either_axis(n, log, poison, monkeypatch):
+    """The same, with the limit lowered so long rows stay cheap under the interpreter."""
+    monkeypatch.setattr(sm, "MAX_ONE_BLOCK", 256)
+    monkeypatch.setattr(sm, "_plans", {})
+    monkeypatch.setattr(sm.FAMILY, "_chosen", {})
     x = randn(3, n, scale=5.0)
     assert {r.name: r for r in tdnn.engines("softmax", x, dim=1)}["two-pass"].chosen
     _check(x, 1, log)
-    _check(randn(n, 2, scale=5.0), 0, log)
+    _check(randn(n, 3, scale=5.0), 0, log)
 
 
 def test_two_pass_engine_on_short_rows(cache_dir, poison):

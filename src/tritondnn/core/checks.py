@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend import DEVICE_TYPE, backend
+from .backend import DEVICE_TYPE, ON_DEVICE_ATTR, backend
 
-_ON_DEVICE = "is_cuda" if DEVICE_TYPE == "cuda" else "is_cpu"  # cheaper than comparing .device
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -35,7 +34,7 @@ def check_tensor(
         raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in dtypes:
         raise TypeError(f"{op}: argument '{name}' has dtype {value.dtype}; accepted: {_names(dtypes)}")
-    if not getattr(value, _ON_DEVICE):
+    if not getattr(value, ON_DEVICE_ATTR):
         raise ValueError(
             f"{op}: argument '{name}' is on device '{value.device}'; the '{backend()}' backend "
             f"runs on {DEVICE_TYPE} tensors"

@@ -15,8 +15,21 @@ from typing import Any, TypeVar
 
 import torch
 
+from .backend import ON_DEVICE_ATTR
+
 F = TypeVar("F", bound=Callable[..., Any])
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(x: object) -> bool:
+    """Whether a call on ``x`` may take a family's cached fast path: an ordinary tensor on the
+    backend's device, no autograd to record, no tracing under way."""
+    return (
+        type(x) is torch.Tensor
+        and getattr(x, ON_DEVICE_ATTR)
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+    )
 
 
 def custom_op(name: str, schema: str, fake: Callable[..., Any]) -> Callable[[F], F]:

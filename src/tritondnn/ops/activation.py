@@ -24,7 +24,7 @@ from ..core.checks import check_choice, check_float, check_like, check_tensor
 from ..core.config import config
 from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import Launch, cdiv
-from ..core.library import custom_op
+from ..core.library import custom_op, plain_eager
 from ..core.strides import MAX_DIMS, collapse, offset4, pad_dims, unravel4
 
 
@@ -110,8 +110,9 @@ def activation_value(x, KIND: tl.constexpr, p0, p1):
         y = x * numerics.sigmoid(p0 * x)
     else:
         bx = p0 * x
-        # Above the threshold softplus is linear (and exp(bx) could overflow).
-        y = tl.where(bx > p1, x, numerics.log1p(tl.exp(tl.minimum(bx, p1))) / p0)
+        # Above the threshold softplus is linear; exp(bx) may overflow to inf there, and log1p(inf)
+        # is inf, so the unselected lane stays harmless. (No tl.minimum: it drops NaN on GPUs.)
+        y = tl.where(bx > p1, x, numerics.log1p(tl.exp(bx)) / p0)
     return y
 
 
@@ -158,7 +159,7 @@ def _flat_indices(numel, INDEX_64: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _forward_dense_kernel(
-    x_ptr, y_ptr, numel, p0, p1, KIND: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, y_ptr, p0, p1, numel, KIND: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr
 ):
     """x, y: dense tensors of one layout, walked as flat arrays of ``numel`` elements."""
     idx, mask = _flat_indices(numel, INDEX_64, BLOCK)
@@ -169,7 +170,7 @@ def _forward_dense_kernel(
 
 @triton.jit
 def _forward_strided_kernel(
-    x_ptr, y_ptr, numel, size1, size2, size3, xs0, xs1, xs2, xs3, ys0, ys1, ys2, ys3, p0, p1,
+    x_ptr, y_ptr, p0, p1, numel, size1, size2, size3, xs0, xs1, xs2, xs3, ys0, ys1, ys2, ys3,
     KIND: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """x, y: any strides over a (size0, size1, size2, size3) box, the collapsed shape (see core.strides)."""
@@ -182,7 +183,7 @@ def _forward_strided_kernel(
 
 @triton.jit
 def _backward_dense_kernel(
-    dy_ptr, s_ptr, dx_ptr, numel, p0, p1,
+    dy_ptr, s_ptr, dx_ptr, p0, p1, numel,
     KIND: tl.constexpr, SAVED_OUTPUT: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """dy, s (saved x or y), dx: dense tensors of one layout."""
@@ -195,8 +196,8 @@ def _backward_dense_kernel(
 
 @triton.jit
 def _backward_strided_kernel(
-    dy_ptr, s_ptr, dx_ptr, numel, size1, size2, size3,
-    gs0, gs1, gs2, gs3, ss0, ss1, ss2, ss3, ds0, ds1, ds2, ds3, p0, p1,
+    dy_ptr, s_ptr, dx_ptr, p0, p1, numel, size1, size2, size3,
+    gs0, gs1, gs2, gs3, ss0, ss1, ss2, ss3, ds0, ds1, ds2, ds3,
     KIND: tl.constexpr, SAVED_OUTPUT: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """dy (strides gs*), s (ss*), dx (ds*) over the collapsed (size0..size3) box."""
@@ -492,6 +493,13 @@ class _ActivationFunction(torch.autograd.Function):
 def _apply(
     op: str, input: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0, inplace: bool = False
 ) -> torch.Tensor:
+    if not inplace and plain_eager(input):
+        # A problem seen before was validated then: one lookup, one allocation, one launch.
+        plan = _plans.get((kind, False, config.version, input.shape, input.stride(), input.dtype))
+        if plan is not None:
+            out = torch.empty_like(input)
+            plan(input, out, p0, p1)
+            return out
     check_tensor(op, "input", input)
     if input.requires_grad and torch.is_grad_enabled():
         return _ActivationFunction.apply(input, kind, p0, p1, inplace)

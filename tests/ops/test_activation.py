@@ -56,10 +56,11 @@ def _check(name: str, x: torch.Tensor, scale_dy: float = 1.0) -> None:
     assert_close(dx, dx_ref, dx_torch, f"{name} backward")
 
 
+@pytest.mark.parametrize("shape", [(37, 129), (16, 256)], ids=["ragged", "whole-blocks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", NAMES)
-def test_values_and_gradients(name, dtype, poison):
-    _check(name, randn(37, 129, dtype=dtype, scale=3.0))
+def test_values_and_gradients(name, dtype, shape, poison):
+    _check(name, randn(*shape, dtype=dtype, scale=3.0))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -141,7 +142,7 @@ def test_relative_accuracy_where_naive_formulas_lose_digits():
     ):
         x = torch.tensor(values, device=DEVICE)
         got, want = fn(x).double(), ref(x.double())
-        assert float(((got - want).abs() / want.abs()).max()) < 1e-6, fn
+        assert float(((got - want).abs() / want.abs()).max()) < 1e-5, fn  # naive: 1e-3 to 1
 
 
 @pytest.mark.parametrize("name", ["relu", "leaky_relu", "elu", "silu"])

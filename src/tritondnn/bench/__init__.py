@@ -74,12 +74,15 @@ def compiled(fn: Callable, *args: object) -> Callable[[], object] | None:
     interpreter, where inductor would compile C++ for the CPU instead)."""
     if INTERPRET:
         return None
+    # Each case compiles afresh: dynamo's per-code-object recompile limit would otherwise send
+    # later cases compiling the same wrapper back to eager.
+    torch._dynamo.reset()
     return functools.partial(torch.compile(fn), *args)
 
 
 def _time(case: Case, fn: Callable[[], object]) -> float:
     if case.host:
-        return host_us_per_call(fn, calls=50 if INTERPRET else 5000) / 1e3
+        return host_us_per_call(fn, calls=20 if INTERPRET else 2000, rounds=3 if INTERPRET else 7) / 1e3
     return median_ms(fn)
 
 

@@ -29,20 +29,24 @@ def median_ms(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: floa
     return statistics.median(samples)
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Host time of one call in microseconds: many calls back to back, one synchronization at the end.
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000, rounds: int = 7) -> float:
+    """Host time of one call in microseconds: the median over ``rounds`` of ``calls`` back-to-back
+    calls, each round closed by one synchronization.
 
     This is the launch overhead a small tensor sees, when the GPU finishes each kernel faster than
-    the host can issue the next one.
+    the host can issue the next one. The median of rounds resists the host's own noise.
     """
     import torch
 
     sync = (lambda: None) if INTERPRET else torch.cuda.synchronize
     for _ in range(max(calls // 10, 1)):
         fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / calls * 1e6
+    per_call = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(per_call)

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..core.checks import FLOAT_DTYPES, check_dim, check_dtype, check_tensor
 from ..core.config import config
 from ..core.engine import Engine, Family, LaunchConfig, Problem
-from ..core.launcher import Launch, cdiv
+from ..core.launcher import cdiv, launcher
 from ..core.library import custom_op, plain_eager
 from ..core.numerics import convert
 from ..core.strides import collapse
@@ -243,7 +243,7 @@ class _RowEngine(Engine[SoftmaxProblem]):
             return [f"the non-softmax dimensions merge into {len(problem.row_sizes)}, not at most 2"]
         return []
 
-    def bind(self, problem: SoftmaxProblem, config: LaunchConfig) -> Launch:
+    def bind(self, problem: SoftmaxProblem, config: LaunchConfig) -> Callable[..., None]:
         rows_inner = problem.row_sizes[-1] if len(problem.row_sizes) == 2 else 1
         strides = []
         for row, col in zip(problem.row_strides, problem.col_strides):
@@ -251,7 +251,7 @@ class _RowEngine(Engine[SoftmaxProblem]):
             strides += [outer, inner, col]
         acc = tl.float64 if "float64" in problem.dtypes else tl.float32
         block_r = config["BLOCK_R"]
-        return Launch(
+        return launcher(
             _backward_kernel if problem.backward else _forward_kernel,
             (cdiv(problem.n_rows, block_r),),
             num_tensors=len(problem.dtypes),

@@ -2,10 +2,10 @@
 
 A suite module (``activation``, ``softmax``, ...) yields ``Case`` objects; ``run`` times each
 provider of each case with medians (``core.timing``) and prints a table with GB/s or TFLOP/s and
-the ratio of tritondnn to each anchor. Memory-bound suites start with device-to-device copies of
-the same tensors (cases named ``copy ...``): the best copy rate measured in the run is the
-physical limit each tritondnn row is compared with. Results are written as the JSON described in
-ARCHITECTURE.md and, on request, drawn as a chart.
+the ratio of tritondnn to each anchor. Memory-bound suites measure a device-to-device copy of the
+same tensors (a case named ``copy ...``) before each dtype's cases: that rate, measured in the
+same run, is the physical limit the following tritondnn rows are compared with. Results are
+written as the JSON described in ARCHITECTURE.md and, on request, drawn as a chart.
 """
 
 from __future__ import annotations
@@ -95,9 +95,8 @@ class Table:
         echo(f"{'case':<46} {'provider':<14} {'time':>11} {'GB/s':>7} {'TFLOP/s':>8}  notes")
 
     def add(self, case: Case, rows: Sequence[Row]) -> None:
-        if case.is_limit:
-            best = max(r.gbps or 0.0 for r in rows)
-            self.limit_gbps = max(self.limit_gbps or 0.0, best)
+        if case.is_limit:  # suites measure a copy before each dtype's cases: the latest applies
+            self.limit_gbps = max(r.gbps or 0.0 for r in rows)
         ours = next((r for r in rows if r.provider == "tritondnn"), None)
         for row in rows:
             notes = []
@@ -156,13 +155,30 @@ def run(
 
 
 def _commit() -> str:
+    """The checkout's commit: from git, or read from .git itself where git is missing or refuses
+    (a copy of the tree owned by another user, as on the GPU machines)."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
         )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+        pass
+    git = Path.cwd() / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:7]
+        ref = head.removeprefix("ref: ")
+        if (git / ref).exists():
+            return (git / ref).read_text().strip()[:7]
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0][:7]
+    except OSError:
+        pass
+    return "unknown"
 
 
 def write_json(rows: Sequence[Row], path: str) -> None:

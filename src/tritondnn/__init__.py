@@ -21,6 +21,17 @@ from .ops.activation import (
     swish,
     tanh,
 )
+from .ops.norm import (
+    add_layer_norm,
+    add_rms_norm,
+    batch_norm,
+    batch_norm_apply,
+    batch_norm_stats,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    rms_norm,
+)
 from .ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
@@ -29,14 +40,23 @@ __all__ = [
     "EngineReport",
     "NotSupportedError",
     "__version__",
+    "add_layer_norm",
+    "add_rms_norm",
     "backend",
+    "batch_norm",
+    "batch_norm_apply",
+    "batch_norm_stats",
     "config",
     "elu",
     "engines",
     "gelu",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
     "leaky_relu",
     "log_softmax",
     "relu",
+    "rms_norm",
     "sigmoid",
     "silu",
     "softmax",

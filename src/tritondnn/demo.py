@@ -8,6 +8,7 @@ is non-zero if any check fails.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -19,6 +20,7 @@ from .core.accuracy import check
 from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
+from .ops import norm
 from .ops import softmax as sm
 
 # name: (tritondnn, PyTorch); both are applied to the same input and differentiated.
@@ -35,6 +37,19 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
     "softplus": (act.softplus, F.softplus),
     "softmax": (partial(sm.softmax, dim=-1), partial(torch.softmax, dim=-1)),
     "log_softmax": (partial(sm.log_softmax, dim=-1), partial(torch.log_softmax, dim=-1)),
+    "layer_norm": (lambda x: norm.layer_norm(x, x.shape[-1]), lambda x: F.layer_norm(x, x.shape[-1:])),
+    "rms_norm": (
+        lambda x: norm.rms_norm(x, x.shape[-1], eps=1e-6),
+        lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
+    ),
+    "group_norm": (
+        lambda x: norm.group_norm(x, math.gcd(8, x.shape[1])),
+        lambda x: F.group_norm(x, math.gcd(8, x.shape[1])),
+    ),
+    "batch_norm train": (
+        partial(norm.batch_norm, running_mean=None, running_var=None, training=True),
+        partial(F.batch_norm, running_mean=None, running_var=None, training=True),
+    ),
 }
 
 

@@ -56,6 +56,19 @@ def backend() -> str:
     return _BACKEND
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def multiprocessor_count(device: int = 0) -> int:
+    """Streaming multiprocessors of a GPU, for persistent grids (4 under the interpreter, where a
+    small grid keeps the CPU run short and still exercises every program's loop)."""
+    if INTERPRET:
+        return 4
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
 def device_name() -> str:
     """A human-readable name of the device kernels run on, used to key the autotune cache."""
     if INTERPRET:

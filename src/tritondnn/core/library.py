@@ -32,8 +32,11 @@ def plain_eager(x: object) -> bool:
     )
 
 
-def custom_op(name: str, schema: str, fake: Callable[..., Any]) -> Callable[[F], F]:
-    """Register the decorated function as ``tritondnn::name`` with ``schema`` and its fake implementation.
+def custom_op(
+    name: str, schema: str, fake: Callable[..., Any], mutates_args: tuple[str, ...] = ()
+) -> Callable[[F], F]:
+    """Register the decorated function as ``tritondnn::name`` with ``schema`` and its fake
+    implementation; ``mutates_args`` names the arguments it writes in place (marked ``(a!)``).
 
     The returned callable runs the function directly when not tracing and its first argument is a
     plain tensor, and dispatches through ``torch.ops.tritondnn.name`` otherwise. The op is
@@ -41,7 +44,7 @@ def custom_op(name: str, schema: str, fake: Callable[..., Any]) -> Callable[[F],
     """
 
     def decorate(impl: F) -> F:
-        op = torch.library.custom_op(f"tritondnn::{name}", impl, mutates_args=(), schema=schema)
+        op = torch.library.custom_op(f"tritondnn::{name}", impl, mutates_args=mutates_args, schema=schema)
         op.register_fake(fake)
 
         @functools.wraps(impl)

@@ -1,0 +1,714 @@
+"""Batch normalization: training (batch statistics, running-statistic updates) and inference,
+forward and backward, NCHW and channels_last, with a fused activation (BN + ReLU).
+
+cuDNN splits training batch norm into a statistics pass (its "genstats": per-channel sums) and
+a finalize + apply pass; so does this module, so that a distributed wrapper can all-reduce the
+sums between the two (``batch_norm_stats`` / ``batch_norm_apply``). The sums are of ``x - shift``
+for a per-channel shift near the data (by default one sample of each channel), which keeps the
+variance's digits when the mean is large (sum of squares minus squared sum cancels otherwise).
+
+An input (N, C, *spatial) is read as (N, C, S) with strides (n, c, s); rows r = n * S + s and
+channels form 2-D tiles, coalesced along whichever of the two is contiguous. Per-channel sums
+are reduced in two stages: each program's partial sums, then a fixed-order sum (deterministic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ...core.backend import multiprocessor_count
+from ...core.checks import check_float, check_tensor
+from ...core.engine import Engine, Family, LaunchConfig, Problem
+from ...core.launcher import cdiv, launcher
+from ...core.library import custom_op
+from ...core.numerics import convert
+from ..activation import activation_gradient, activation_reference, activation_value
+from .common import (
+    NO_ACTIVATION,
+    activation_kind,
+    check_affine,
+    check_eps,
+    dense_ncs,
+    dtype_name,
+    in_layout,
+    ncs_layout,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 1. Reference.
+
+
+def batch_norm_reference(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Batch norm (then the activation) in float64; updates the given running statistics."""
+
+    def wide(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.double()
+
+    rm, rv = wide(running_mean), wide(running_var)
+    y = F.batch_norm(x.double(), rm, rv, wide(weight), wide(bias), training, momentum, eps)
+    if running_mean is not None:
+        running_mean.copy_(rm)
+        running_var.copy_(rv)
+    if activation is not None:
+        kind, p0, p1 = activation_kind(activation)
+        y = activation_reference(y, kind, p0, p1)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Kernels. Element (row r = n * S + s, channel c) sits at n * stride_n + s * stride_s +
+# c * stride_c. Unused tensors are passed as x and never read.
+
+
+@triton.jit
+def _tile(r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
+          INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """Offsets and mask of the [BLOCK_R, BLOCK_C] tile at (row r0, channel c0), and its channels."""
+    r = r0 + tl.arange(0, BLOCK_R)[:, None]
+    if INDEX_64:
+        r = r.to(tl.int64)
+    c = c0 + tl.arange(0, BLOCK_C)[None, :]
+    offsets = (r // spatial) * stride_n + (r % spatial) * stride_s + c * stride_c
+    return offsets, (r < n_rows) & (c < n_channels), c
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr, shift_ptr, sum_ptr, sumsq_ptr,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s, rows_per_split,
+    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Per-channel sums of (x - shift) and (x - shift)**2 over this program's rows, fp32, into row
+    ``split`` of the (splits, C) buffers. Grid: (channel blocks, splits)."""
+    c0 = tl.program_id(0) * BLOCK_C
+    split = tl.program_id(1)
+    cols = c0 + tl.arange(0, BLOCK_C)
+    shift = convert(tl.load(shift_ptr + cols, mask=cols < n_channels, other=0.0), ACC)[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    acc_sq = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    start = split * rows_per_split
+    for r0 in range(start, tl.minimum(start + rows_per_split, n_rows), BLOCK_R):
+        offs, mask, _ = _tile(
+            r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
+        )
+        mask = mask & (r0 + tl.arange(0, BLOCK_R)[:, None] < start + rows_per_split)
+        d = tl.where(mask, convert(tl.load(x_ptr + offs, mask=mask, other=0.0), ACC) - shift, 0.0)
+        acc += d
+        acc_sq += d * d
+    tl.store(sum_ptr + split * n_channels + cols, tl.sum(acc, 0), mask=cols < n_channels)
+    tl.store(sumsq_ptr + split * n_channels + cols, tl.sum(acc_sq, 0), mask=cols < n_channels)
+
+
+@triton.jit
+def _finalize_kernel(
+    sum_ptr, sumsq_ptr, shift_ptr, w_ptr, rmean_ptr, rvar_ptr, mean_ptr, rstd_ptr, scale_ptr,
+    count, eps, momentum,
+    n_channels, splits,
+    ACC: tl.constexpr, TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, HAS_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Per channel: mean and 1/std (from the summed partials when TRAINING, from the running
+    statistics otherwise), the running-statistic update (unbiased variance, as PyTorch), and
+    scale = w / std for the apply kernel."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < n_channels
+    if TRAINING:
+        total = tl.zeros([BLOCK_C], ACC)
+        total_sq = tl.zeros([BLOCK_C], ACC)
+        for k in range(0, splits):  # a fixed order: the same bits on every run
+            total += tl.load(sum_ptr + k * n_channels + c, mask=cm, other=0.0)
+            total_sq += tl.load(sumsq_ptr + k * n_channels + c, mask=cm, other=0.0)
+        centred = total / count
+        var = tl.maximum(total_sq / count - centred * centred, 0.0)
+        mean = convert(tl.load(shift_ptr + c, mask=cm, other=0.0), ACC) + centred
+        if UPDATE_RUNNING:
+            rm = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
+            rv = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
+            unbiased = var * (count / tl.maximum(count - 1.0, 1.0))
+            tl.store(
+                rmean_ptr + c,
+                convert((1.0 - momentum) * rm + momentum * mean, rmean_ptr.dtype.element_ty),
+                mask=cm,
+            )
+            tl.store(
+                rvar_ptr + c,
+                convert((1.0 - momentum) * rv + momentum * unbiased, rvar_ptr.dtype.element_ty),
+                mask=cm,
+            )
+    else:
+        mean = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
+        var = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    scale = rstd
+    if HAS_W:
+        scale = scale * convert(tl.load(w_ptr + c, mask=cm, other=0.0), ACC)
+    tl.store(mean_ptr + c, mean, mask=cm)
+    tl.store(rstd_ptr + c, rstd, mask=cm)
+    tl.store(scale_ptr + c, scale, mask=cm)
+
+
+@triton.jit
+def _apply_kernel(
+    x_ptr, mean_ptr, scale_ptr, b_ptr, y_ptr,
+    act_p0, act_p1,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
+    HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """y = act((x - mean[c]) * scale[c] + b[c]). Subtracting the mean first keeps the digits a
+    folded x * scale + (b - mean * scale) would cancel away for large means. Grid: (row blocks,
+    channel blocks)."""
+    offs, mask, c = _tile(
+        tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_C, n_rows, n_channels, spatial,
+        stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C,
+    )  # fmt: skip
+    mean = tl.load(mean_ptr + c, mask=c < n_channels, other=0.0)
+    scale = tl.load(scale_ptr + c, mask=c < n_channels, other=0.0)
+    y = (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * scale
+    if HAS_B:
+        y = y + convert(tl.load(b_ptr + c, mask=c < n_channels, other=0.0), mean.dtype)
+    if ACT >= 0:
+        y = activation_value(y, ACT, act_p0, act_p1)
+    tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT: tl.constexpr):
+    """(dy through the activation, x-hat) of one tile; the pre-activation is recomputed from x."""
+    xhat = tl.where(
+        mask, (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * rstd, 0.0
+    )
+    dy = convert(tl.load(dy_ptr + offs, mask=mask, other=0.0), mean.dtype)
+    if ACT >= 0:
+        dy = activation_gradient(dy, xhat * w + b, ACT, False, act_p0, act_p1)
+    return dy, xhat
+
+
+@triton.jit
+def _load_channel(ptr, c, n_channels, default, PRESENT: tl.constexpr, ACC: tl.constexpr):
+    if PRESENT:
+        return convert(tl.load(ptr + c, mask=c < n_channels, other=0.0), ACC)
+    else:
+        return tl.full(c.shape, default, ACC)
+
+
+@triton.jit
+def _backward_reduce_kernel(
+    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, dsum_ptr, dxsum_ptr,
+    act_p0, act_p1,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s, rows_per_split,
+    ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Per-channel partial sums of dy and dy * x-hat (dy taken through the activation) into row
+    ``split`` of the (splits, C) buffers: db and dw, and the two terms of dx. Grid as _stats."""
+    c0 = tl.program_id(0) * BLOCK_C
+    split = tl.program_id(1)
+    cols = c0 + tl.arange(0, BLOCK_C)
+    c2 = cols[None, :]
+    mean = tl.load(mean_ptr + c2, mask=c2 < n_channels, other=0.0)
+    rstd = tl.load(rstd_ptr + c2, mask=c2 < n_channels, other=0.0)
+    w = _load_channel(w_ptr, c2, n_channels, 1.0, HAS_W, ACC)
+    b = _load_channel(b_ptr, c2, n_channels, 0.0, HAS_B, ACC)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    acc_x = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    start = split * rows_per_split
+    for r0 in range(start, tl.minimum(start + rows_per_split, n_rows), BLOCK_R):
+        offs, mask, _ = _tile(
+            r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
+        )
+        mask = mask & (r0 + tl.arange(0, BLOCK_R)[:, None] < start + rows_per_split)
+        dy, xhat = _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT)
+        acc += dy
+        acc_x += dy * xhat
+    tl.store(dsum_ptr + split * n_channels + cols, tl.sum(acc, 0), mask=cols < n_channels)
+    tl.store(dxsum_ptr + split * n_channels + cols, tl.sum(acc_x, 0), mask=cols < n_channels)
+
+
+@triton.jit
+def _backward_apply_kernel(
+    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, dsum_ptr, dxsum_ptr, dx_ptr,
+    act_p0, act_p1, count,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
+    ACC: tl.constexpr, TRAINING: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """dx = w * rstd * (dy - sum(dy) / count - x-hat * sum(dy * x-hat) / count) in training; with
+    running statistics the mean and variance are constants and dx = w * rstd * dy."""
+    offs, mask, c = _tile(
+        tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_C, n_rows, n_channels, spatial,
+        stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C,
+    )  # fmt: skip
+    cm = c < n_channels
+    mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
+    rstd = tl.load(rstd_ptr + c, mask=cm, other=0.0)
+    w = _load_channel(w_ptr, c, n_channels, 1.0, HAS_W, ACC)
+    b = _load_channel(b_ptr, c, n_channels, 0.0, HAS_B, ACC)
+    dy, xhat = _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT)
+    if TRAINING:
+        dy = dy - tl.load(dsum_ptr + c, mask=cm, other=0.0) / count
+        dy = dy - xhat * (tl.load(dxsum_ptr + c, mask=cm, other=0.0) / count)
+    tl.store(dx_ptr + offs, convert(dy * w * rstd, dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Engine: one tiled algorithm; the problem says which step (statistics, finalize + apply,
+# backward) a plan runs.
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchNormProblem(Problem):
+    """One step over an (N, C, S) view with strides (n, c, s) shared by the step's tensors."""
+
+    step: str  # "stats", "apply" or "backward"
+    training: bool
+    update_running: bool
+    has_w: bool
+    has_b: bool
+    act: int
+    dtypes: tuple[str, ...]
+    n: int
+    channels: int
+    spatial: int
+    strides: tuple[int, int, int]
+
+    @property
+    def acc(self) -> tl.dtype:
+        return tl.float64 if self.dtypes[0] == "float64" else tl.float32
+
+    @property
+    def rows(self) -> int:
+        return self.n * self.spatial
+
+    @property
+    def channels_last(self) -> bool:
+        return self.strides[1] == 1 and self.channels > 1
+
+
+def _describe(input: torch.Tensor, step: str = "stats", training: bool = True) -> BatchNormProblem:
+    """The problem a step of ``batch_norm(input, ..., training)`` poses (affine, running statistics)."""
+    n, c, s, strides = ncs_layout(torch.empty_like(input))
+    names = (dtype_name(input.dtype),) * 3
+    return BatchNormProblem(step, training, training, True, True, NO_ACTIVATION, names, n, c, s, strides)
+
+
+FAMILY: Family[BatchNormProblem] = Family("batch_norm", _describe)
+
+
+@FAMILY.register
+class TiledEngine(Engine[BatchNormProblem]):
+    """Row x channel tiles coalesced along the contiguous one; per-channel sums in two stages."""
+
+    name = "tiled"
+
+    def cost(self, problem: BatchNormProblem) -> float:
+        return 1.0
+
+    def configs(self, problem: BatchNormProblem) -> list[LaunchConfig]:
+        c = triton.next_power_of_2(problem.channels)
+        if problem.channels_last:  # channels contiguous: wide in channels
+            tiles = [(min(c, 64), 64), (min(c, 128), 32), (min(c, 32), 128), (min(c, 64), 32)]
+        else:  # positions contiguous: tall in rows, few channels
+            tiles = [(1, 2048), (2, 1024), (1, 4096), (4, 512)]
+        out = []
+        for block_c, block_r in tiles:
+            for per_sm in (4, 8):
+                config = {"BLOCK_C": block_c, "BLOCK_R": block_r, "num_warps": 4, "PER_SM": per_sm}
+                if config not in out:
+                    out.append(config)
+        return out
+
+    def bind(self, problem: BatchNormProblem, config: LaunchConfig) -> Callable[..., object]:
+        p = problem
+        block_r, block_c = config["BLOCK_R"], config["BLOCK_C"]
+        index_64 = p.n * max(p.strides) + p.channels * p.spatial > 2**31 - 1
+        ints = (p.rows, p.channels, p.spatial, *p.strides)
+        c_blocks = cdiv(p.channels, block_c)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        # Splits of the rows: enough programs to fill the GPU, each a multiple of BLOCK_R rows.
+        splits = max(
+            1, min(cdiv(p.rows, block_r), config["PER_SM"] * multiprocessor_count(device) // c_blocks)
+        )
+        rows_per_split = cdiv(cdiv(p.rows, splits), block_r) * block_r
+        splits = cdiv(p.rows, rows_per_split)
+        warps = config["num_warps"]
+        tiles = (index_64, block_r, block_c)
+        if p.step == "stats":
+            run = launcher(
+                _stats_kernel,
+                (c_blocks, splits),
+                4,
+                (*ints, rows_per_split),
+                (p.acc, *tiles),
+                num_warps=warps,
+            )
+
+            def stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype = _stats_dtype(x)
+                partial = torch.empty((splits, p.channels), dtype=dtype, device=x.device)
+                partial_sq = torch.empty_like(partial)
+                run(x, shift, partial, partial_sq)
+                return partial, partial_sq
+
+            return stats
+        if p.step == "apply":
+            finalizers: dict[int, Callable[..., None]] = {}  # by the number of partial-sum rows
+            apply = launcher(
+                _apply_kernel,
+                (cdiv(p.rows, block_r), c_blocks),
+                5,
+                ints,
+                (p.has_b, p.act, *tiles),
+                num_warps=warps,
+            )
+
+            def finalize_apply(
+                x, sums, sums_sq, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1
+            ):
+                k = sums.shape[0]
+                if k not in finalizers:
+                    finalizers[k] = launcher(
+                        _finalize_kernel,
+                        (cdiv(p.channels, 128),),
+                        9,
+                        (p.channels, k),
+                        (p.acc, p.training, p.update_running, p.has_w, 128),
+                    )
+                scale = torch.empty_like(mean)
+                finalizers[k](sums, sums_sq, shift, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
+                apply(x, mean, scale, b, y, p0, p1)
+
+            return finalize_apply
+        reduce = launcher(
+            _backward_reduce_kernel,
+            (c_blocks, splits),
+            8,
+            (*ints, rows_per_split),
+            (p.acc, p.has_w, p.has_b, p.act, *tiles),
+            num_warps=warps,
+        )
+        apply_grad = launcher(
+            _backward_apply_kernel,
+            (cdiv(p.rows, block_r), c_blocks),
+            9,
+            ints,
+            (p.acc, p.training, p.has_w, p.has_b, p.act, *tiles),
+            num_warps=warps,
+        )
+
+        def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
+            dsum = torch.empty((splits, p.channels), dtype=mean.dtype, device=x.device)
+            dxsum = torch.empty_like(dsum)
+            reduce(dy, x, mean, rstd, w, b, dsum, dxsum, p0, p1)
+            dsum, dxsum = dsum.sum(0), dxsum.sum(0)  # fixed order over the splits: deterministic
+            apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
+            if dw.numel():
+                dw.copy_(dxsum)
+            if db.numel():
+                db.copy_(dsum)
+
+        return backward
+
+
+_plans: dict[BatchNormProblem, Callable[..., object]] = {}
+
+
+def _plan(problem: BatchNormProblem, timing_args: Callable[[], tuple]) -> Callable[..., object]:
+    plan = _plans.get(problem)
+    if plan is None:
+        choice = FAMILY.select(problem, timing_args)
+        plan = _plans[problem] = choice.engine.bind(problem, choice.config)
+    return plan
+
+
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _problem(
+    step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int
+) -> BatchNormProblem:
+    """The problem of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` may be None."""
+    n, c, s, strides = ncs_layout(x)
+    names = tuple(
+        dtype_name(t.dtype) for t in (x, weight if weight is not None else x, bias if bias is not None else x)
+    )
+    return BatchNormProblem(
+        step, training, update, weight is not None, bias is not None, act, names, n, c, s, strides
+    )
+
+
+def _default_shift(x: torch.Tensor) -> torch.Tensor:
+    """One sample of each channel, a value near the channel's data: sums of x - shift keep the
+    variance's digits however large the mean."""
+    if x.shape[0] == 0 or x[0, 0].numel() == 0:
+        return torch.zeros(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+    return x[0].reshape(x.shape[1], -1)[:, 0].to(_stats_dtype(x)).contiguous()
+
+
+def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(splits, C) partial sums of x - shift and its square; x is in an (N, C, S) layout."""
+    problem = _problem("stats", x, True, False, None, None, NO_ACTIVATION)
+    return _plan(problem, lambda: (x, shift))(x, shift)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. torch.library ops and autograd.
+
+
+def _fake_forward(x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1):
+    stats = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
+    return torch.empty_like(x), stats, torch.empty_like(stats)
+
+
+@custom_op(
+    "batch_norm",
+    "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+    "bool training, float momentum, float eps, int act, float act_p0, float act_p1) "
+    "-> (Tensor, Tensor, Tensor)",
+    _fake_forward,
+    mutates_args=("running_mean", "running_var"),
+)
+def _forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    act: int,
+    act_p0: float,
+    act_p1: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y in x's layout, mean, 1/std per channel): batch statistics in training (the running ones
+    updated in place if given), running statistics otherwise."""
+    y = torch.empty_like(x)
+    mean = torch.empty(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+    rstd = torch.empty_like(mean)
+    if x.numel() == 0:
+        return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
+    x, y = dense_ncs(x, y)
+    count = x.numel() // x.shape[1]
+    if training:
+        shift = _default_shift(x)
+        sums, sums_sq = _partial_stats(x, shift)
+    else:
+        shift = sums = sums_sq = x  # unread: finalize takes the running statistics
+    _finalize_apply(
+        x, sums, sums_sq, shift, weight, bias, running_mean, running_var, y, mean, rstd, count,
+        training, momentum, eps, act, act_p0, act_p1,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def _finalize_apply(
+    x, sums, sums_sq, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1
+):
+    problem = _problem("apply", x, training, training and rm is not None, weight, bias, act)
+    w = weight if weight is not None else x  # absent tensors are passed as x and never read
+    b = bias if bias is not None else x
+    rm = rm if rm is not None else x
+    rv = rv if rv is not None else x
+    args = (x, sums, sums_sq, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
+    # Benchmark mode times on copies of the running statistics, which the launch updates.
+    _plan(problem, lambda: (*args[:6], rm.clone(), rv.clone(), *args[8:]))(*args)
+
+
+def _fake_backward(dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db):
+    dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db else x.new_empty(0)
+    return torch.empty_like(x), dw, db
+
+
+@custom_op(
+    "batch_norm_backward",
+    "(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, bool training, int act, "
+    "float act_p0, float act_p1, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor)",
+    _fake_backward,
+)
+def _backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    training: bool,
+    act: int,
+    act_p0: float,
+    act_p1: float,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx in x's layout, dweight or empty, dbias or empty)."""
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db else x.new_empty(0)
+    if x.numel() == 0:
+        return dx, dw.zero_(), db.zero_()
+    x, dx = dense_ncs(x, dx)
+    dy = in_layout(dy, dx)
+    problem = _problem("backward", dx, training, False, weight, bias, act)
+    w = weight if weight is not None else x
+    b = bias if bias is not None else x
+    args = (dy, x, mean, rstd, w, b, dx, dw, db, x.numel() // x.shape[1], act_p0, act_p1)
+    _plan(problem, lambda: args)(*args)
+    return dx, dw, db
+
+
+class _BatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1
+    ):
+        y, mean, rstd = _forward(
+            x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1
+        )
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.params = (training, act, act_p0, act_p1)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        training, act, act_p0, act_p1 = ctx.params
+        need_dw, need_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx, dw, db = _backward(
+            dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db
+        )
+        return dx, dw if need_dw else None, db if need_db else None, *([None] * 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Public functions.
+
+
+def _check_channels(op: str, input: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    check_tensor(op, "input", input, min_ndim=2)
+    for name, value in tensors.items():
+        check_affine(op, name, value, (input.shape[1],), input)
+
+
+def batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``F.batch_norm``, with cuDNN's fused activation (``activation="relu"`` for BN + ReLU).
+
+    Args:
+        input: (N, C, *spatial) fp16/bf16/fp32, contiguous or channels_last (read in place; the
+            output keeps the layout).
+        running_mean, running_var: (C,) float tensors, updated in place in training
+            (``(1 - momentum) * old + momentum * batch``, the variance unbiased, as PyTorch);
+            required when not training.
+        weight, bias: (C,) tensors of any float dtype, or None.
+        training: normalize with the batch's statistics (else with the running ones).
+
+    The saved statistics are fp32; the sums behind them are of ``x - shift`` with a per-channel
+    sample as the shift, so a mean of 1e4 over a unit variance keeps its digits.
+    """
+    op = "tdnn.batch_norm"
+    _check_channels(op, input, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{op}: give both 'running_mean' and 'running_var', or neither")
+    if not training and running_mean is None:
+        raise ValueError(f"{op}: 'running_mean' and 'running_var' are required when training=False")
+    if training and input.numel() // max(input.shape[1], 1) == 1:
+        raise ValueError(
+            f"{op}: expected more than 1 value per channel when training, got input {tuple(input.shape)}"
+        )
+    momentum = check_float(op, "momentum", momentum)
+    eps = check_eps(op, eps)
+    act, p0, p1 = activation_kind(activation, op)
+    args = (input, weight, bias, running_mean, running_var, bool(training), momentum, eps, act, p0, p1)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return _BatchNormFunction.apply(*args)
+    return _forward(*args)[0]
+
+
+def batch_norm_stats(
+    input: torch.Tensor, shift: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """cuDNN's batch-norm statistics pass (genstats), on its own so the sums can be all-reduced
+    across devices before ``batch_norm_apply``.
+
+    Returns ``(sum, sum_sq, shift, count)``: per-channel fp32 sums of ``x - shift`` and of its
+    square over N and the spatial dimensions, the per-channel shift used (``shift`` if given, else
+    a sample of each channel; for an all-reduce, give every rank the same one) and the number of
+    values per channel.
+    """
+    op = "tdnn.batch_norm_stats"
+    _check_channels(op, input, shift=shift)
+    x, _ = dense_ncs(input, torch.empty_like(input))
+    shift = _default_shift(x) if shift is None else shift.to(_stats_dtype(x)).contiguous()
+    if x.numel() == 0:
+        zeros = torch.zeros(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+        return zeros, zeros.clone(), shift, 0
+    partial, partial_sq = _partial_stats(x, shift)
+    return partial.sum(0), partial_sq.sum(0), shift, x.numel() // x.shape[1]
+
+
+def batch_norm_apply(
+    input: torch.Tensor,
+    sum: torch.Tensor,
+    sum_sq: torch.Tensor,
+    shift: torch.Tensor,
+    count: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cuDNN's finalize + apply: batch statistics from (possibly all-reduced) ``batch_norm_stats``
+    sums over ``count`` values per channel, the running-statistic update, and the normalization.
+    Returns ``(output, mean, invstd)``; no autograd (a distributed wrapper supplies its own)."""
+    op = "tdnn.batch_norm_apply"
+    _check_channels(op, input, sum=sum, sum_sq=sum_sq, shift=shift, weight=weight, bias=bias)
+    _check_channels(op, input, running_mean=running_mean, running_var=running_var)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{op}: argument 'count'={count!r} must be a positive int")
+    act, p0, p1 = activation_kind(activation, op)
+    eps = check_eps(op, eps)
+    momentum = check_float(op, "momentum", momentum)
+    y = torch.empty_like(input)
+    x, y = dense_ncs(input, y)
+    mean = torch.empty(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+    rstd = torch.empty_like(mean)
+    if x.numel():
+        sums, sums_sq = (t.to(mean.dtype).reshape(1, -1).contiguous() for t in (sum, sum_sq))
+        shift = shift.to(mean.dtype).contiguous()
+        _finalize_apply(
+            x, sums, sums_sq, shift, weight, bias, running_mean, running_var, y, mean, rstd, count,
+            True, momentum, eps, act, p0, p1,
+        )  # fmt: skip
+    return y, mean, rstd

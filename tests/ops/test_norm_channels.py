@@ -1,0 +1,316 @@
+"""batch_norm, group_norm and instance_norm: values, running statistics and every gradient
+against float64, in NCHW and channels_last, with fused activations; the statistics/apply split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_norm_layer import _compare, _grads
+
+import tritondnn.ops.norm as norm
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, randn
+from tritondnn.ops.norm import batch as B
+from tritondnn.ops.norm import group as G
+
+ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu}
+LAYOUTS = {"nchw": lambda t: t, "channels_last": lambda t: t.to(memory_format=torch.channels_last)}
+
+
+def _x(shape=(3, 8, 5, 7), dtype=torch.float32, layout="nchw", scale=2.0, offset=1.0):
+    return LAYOUTS[layout](randn(*shape, dtype=dtype, scale=scale) + offset)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("groups", [1, 4, 8])
+def test_group_norm(groups, dtype, layout, poison):
+    x = _x(dtype=dtype, layout=layout)
+    w, b, dy = randn(8, dtype=dtype), randn(8, dtype=dtype), LAYOUTS[layout](randn(3, 8, 5, 7, dtype=dtype))
+    _compare(
+        lambda x, w, b: norm.group_norm(x, groups, w, b),
+        lambda x, w, b: F.group_norm(x, groups, w, b),
+        [x, w, b],
+        [dy],
+        f"group_norm G={groups}",
+    )
+    assert norm.group_norm(x, groups, w, b).stride() == x.stride()
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu"])
+def test_group_norm_with_fused_activation(activation, poison):
+    x, w, b, dy = _x(layout="channels_last"), randn(8), randn(8), randn(3, 8, 5, 7)
+    _compare(
+        lambda x, w, b: norm.group_norm(x, 2, w, b, activation=activation),
+        lambda x, w, b: ACT[activation](F.group_norm(x, 2, w, b)),
+        [x, w, b],
+        [dy],
+        activation,
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_group_norm_looped(layout, poison, monkeypatch):
+    """Groups beyond the register tile: Chan's merge forward, two passes backward."""
+    monkeypatch.setattr(G, "MAX_TILE", {False: 16, True: 16})
+    monkeypatch.setattr(G, "_plans", {})
+    monkeypatch.setattr(G.FAMILY, "_chosen", {})
+    x, w, b, dy = _x(layout=layout, offset=50.0), randn(8), randn(8), randn(3, 8, 5, 7)
+    _compare(
+        lambda x, w, b: norm.group_norm(x, 4, w, b, activation="silu"),
+        lambda x, w, b: F.silu(F.group_norm(x, 4, w, b)),
+        [x, w, b],
+        [dy],
+        "looped",
+    )
+
+
+@pytest.mark.parametrize("shape", [(2, 6), (2, 6, 9), (2, 4, 3, 2, 5)])
+def test_group_norm_ranks(shape, poison):
+    x, w, b = randn(*shape, scale=2.0), randn(shape[1]), randn(shape[1])
+    _compare(
+        lambda x, w, b: norm.group_norm(x, 2, w, b),
+        lambda x, w, b: F.group_norm(x, 2, w, b),
+        [x, w, b],
+        [randn(*shape)],
+        str(shape),
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_instance_norm_with_running_statistics(layout, poison):
+    x, w, b, dy = _x(layout=layout), randn(8), randn(8), randn(3, 8, 5, 7)
+    rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
+    rm_ref, rv_ref = rm.double(), rv.double()
+    _compare(
+        lambda x, w, b: norm.instance_norm(x, None, None, w, b),
+        lambda x, w, b: F.instance_norm(x, None, None, w, b),
+        [x, w, b],
+        [dy],
+        "instance_norm",
+    )
+    y = norm.instance_norm(x, rm, rv, w, b, momentum=0.3)
+    F.instance_norm(x.double(), rm_ref, rv_ref, w.double(), b.double(), momentum=0.3)
+    assert_close(rm, rm_ref, what="running_mean")
+    assert_close(rv, rv_ref, what="running_var")
+    assert_close(y, F.instance_norm(x.double(), None, None, w.double(), b.double()))
+    y_eval = norm.instance_norm(x, rm, rv, w, b, use_input_stats=False)
+    assert_close(
+        y_eval,
+        F.instance_norm(x.double(), rm.double(), rv.double(), w.double(), b.double(), use_input_stats=False),
+    )
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm(training, dtype, layout, poison):
+    x, dy = _x(dtype=dtype, layout=layout), LAYOUTS[layout](randn(3, 8, 5, 7, dtype=dtype))
+    w, b = randn(8), randn(8)  # fp32 parameters with low-precision activations, as AMP keeps them
+    rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
+    rm_ref, rv_ref = rm.double(), rv.double()
+    _compare(
+        lambda x, w, b: norm.batch_norm(x, rm.clone(), rv.clone(), w, b, training),
+        lambda x, w, b: F.batch_norm(
+            x, rm.to(x.dtype, copy=True), rv.to(x.dtype, copy=True), w.to(x.dtype), b.to(x.dtype), training
+        ),
+        [x, w, b],
+        [dy],
+        f"batch_norm training={training}",
+    )
+    y = norm.batch_norm(x, rm, rv, w, b, training, momentum=0.2)
+    F.batch_norm(x.double(), rm_ref, rv_ref, w.double(), b.double(), training, momentum=0.2)
+    assert y.stride() == x.stride()
+    assert_close(rm, rm_ref, what="running_mean")
+    assert_close(rv, rv_ref, what="running_var")
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(7, 5), (64, 65), (4, 6, 9), (2, 3, 2, 3, 4)])
+def test_batch_norm_ranks_without_running_stats(shape, affine, poison):
+    x = randn(*shape, scale=2.0)
+    params = [randn(shape[1]), randn(shape[1])] if affine else [None, None]
+    _compare(
+        lambda x, w, b: norm.batch_norm(x, None, None, w, b, training=True, activation="relu"),
+        lambda x, w, b: F.relu(F.batch_norm(x, None, None, w, b, training=True)),
+        [x, *params],
+        [randn(*shape)],
+        str(shape),
+    )
+    _compare(
+        lambda x, w, b: norm.group_norm(x, 1, w, b),
+        lambda x, w, b: F.group_norm(x, 1, w, b),
+        [x, *params],
+        [randn(*shape)],
+        str(shape),
+    )
+
+
+def test_large_mean_keeps_the_variance():
+    """Mean 1e4, unit variance: sums of x - shift, and the mean subtracted before scaling."""
+    x = randn(16, 4, 33) + 1e4
+    assert_close(
+        norm.batch_norm(x, None, None, training=True),
+        F.batch_norm(x.double(), None, None, training=True),
+        F.batch_norm(x, None, None, training=True),
+    )
+    assert_close(norm.group_norm(x, 2), F.group_norm(x.double(), 2), F.group_norm(x, 2))
+    constant = torch.full((4, 3, 5), 2.5, device=DEVICE)
+    assert torch.equal(norm.batch_norm(constant, None, None, training=True), torch.zeros_like(constant))
+    assert torch.equal(norm.group_norm(constant, 3), torch.zeros_like(constant))
+
+
+def test_statistics_and_apply_split_matches_batch_norm(poison):
+    """cuDNN's genstats then finalize + apply, as a distributed wrapper would call them with
+    sums added across two shards of the batch."""
+    x, w, b = _x(shape=(6, 8, 4, 4), offset=100.0), randn(8), randn(8)
+    rm, rv = torch.zeros(8, device=DEVICE), torch.ones(8, device=DEVICE)
+    shift = x[0, :, 0, 0].clone()
+    parts = [norm.batch_norm_stats(half, shift) for half in (x[:3], x[3:])]
+    total, total_sq = parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
+    assert parts[0][3] == 3 * 16
+    y, mean, invstd = norm.batch_norm_apply(x, total, total_sq, shift, 6 * 16, w, b, rm, rv, momentum=0.5)
+    rm_ref, rv_ref = (
+        torch.zeros(8, device=DEVICE, dtype=torch.float64),
+        torch.ones(8, device=DEVICE, dtype=torch.float64),
+    )
+    ref = F.batch_norm(x.double(), rm_ref, rv_ref, w.double(), b.double(), True, 0.5)
+    assert_close(y, ref, F.batch_norm(x, None, None, w, b, True))
+    assert_close(mean, x.double().mean((0, 2, 3)))
+    assert_close(rm, rm_ref)
+    assert_close(rv, rv_ref)
+    assert invstd.shape == (8,)
+
+
+def test_gradcheck_float64():
+    x = randn(3, 4, 5, dtype=torch.float64).requires_grad_(True)
+    w, b = (
+        randn(4, dtype=torch.float64).requires_grad_(True),
+        randn(4, dtype=torch.float64).requires_grad_(True),
+    )
+    assert torch.autograd.gradcheck(lambda x, w, b: norm.group_norm(x, 2, w, b, activation="silu"), (x, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: norm.batch_norm(x, None, None, w, b, True, activation="relu"), (x, w, b)
+    )
+
+
+def test_deterministic_bits_twice():
+    x, w, b, dy = _x(shape=(8, 16, 9, 9)), randn(16), randn(16), randn(8, 16, 9, 9)
+    for fn in (
+        lambda x, w, b: norm.batch_norm(x, None, None, w, b, True),
+        lambda x, w, b: norm.group_norm(x, 4, w, b),
+    ):
+        runs = [_grads(fn, [x, w, b], [dy])[1] for _ in range(2)]
+        assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_empty_batch():
+    x = randn(0, 4, 3)
+    assert norm.group_norm(x, 2).shape == x.shape
+    assert norm.batch_norm(x, torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)).shape == x.shape
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: norm.group_norm(randn(2, 6, 4), 4),
+            ValueError,
+            "'num_groups'=4 does not divide the 6 channels",
+        ),
+        (lambda: norm.group_norm(randn(2, 6, 4), 0), ValueError, "'num_groups'=0 must be a positive int"),
+        (lambda: norm.group_norm(randn(2, 6, 4), 2, randn(5)), ValueError, "'weight' has shape"),
+        (lambda: norm.group_norm(randn(6), 2), ValueError, "dimensions"),
+        (lambda: norm.batch_norm(randn(2, 3, 4), randn(4), randn(3)), ValueError, "'running_mean' has shape"),
+        (lambda: norm.batch_norm(randn(2, 3, 4), randn(3), None), ValueError, "give both"),
+        (lambda: norm.batch_norm(randn(2, 3), None, None), ValueError, "required when training=False"),
+        (
+            lambda: norm.batch_norm(randn(1, 3), None, None, training=True),
+            ValueError,
+            "more than 1 value per channel",
+        ),
+        (
+            lambda: norm.batch_norm(
+                randn(2, 3, 4), torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.ones(3, device=DEVICE)
+            ),
+            TypeError,
+            "'running_mean' has dtype torch.int64",
+        ),
+        (
+            lambda: norm.batch_norm(randn(2, 3, 4), None, None, training=True, eps=-1.0),
+            ValueError,
+            "'eps'=-1.0",
+        ),
+        (lambda: norm.instance_norm(randn(2, 3)), ValueError, "dimensions"),
+        (
+            lambda: norm.instance_norm(randn(2, 3, 4), use_input_stats=False),
+            ValueError,
+            "required when use_input_stats",
+        ),
+        (
+            lambda: norm.batch_norm_apply(randn(2, 3, 4), randn(3), randn(3), randn(3), 0),
+            ValueError,
+            "'count'=0",
+        ),
+    ],
+)
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_library_ops_pass_opcheck():
+    x, w, b = _x(shape=(2, 4, 3, 3)), randn(4), randn(4)
+    torch.library.opcheck(G._forward.op, (x, w, b, 2, 1e-5, -1, 0.0, 0.0))
+    _, mean, rstd = G._forward(x, w, b, 2, 1e-5, -1, 0.0, 0.0)
+    torch.library.opcheck(
+        G._backward.op, (randn(2, 4, 3, 3), x, w, b, mean, rstd, 2, -1, 0.0, 0.0, True, True)
+    )
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    torch.library.opcheck(B._forward.op, (x, w, b, rm, rv, True, 0.1, 1e-5, -1, 0.0, 0.0))
+    _, mean, rstd = B._forward(x, w, b, None, None, True, 0.1, 1e-5, -1, 0.0, 0.0)
+    torch.library.opcheck(
+        B._backward.op, (randn(2, 4, 3, 3), x, w, b, mean, rstd, True, -1, 0.0, 0.0, True, True)
+    )
+
+
+def test_torch_compile_fullgraph():
+    def f(x, w, b):
+        return norm.batch_norm(norm.group_norm(x, 2, w, b, activation="silu"), None, None, w, b, True).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    x, w, b = _x(shape=(2, 4, 3, 3)), randn(4), randn(4)
+    one = torch.ones((), device=DEVICE)
+    got = _grads(compiled, [x, w, b], [one])[1]
+    want = _grads(
+        lambda x, w, b: F.batch_norm(F.silu(F.group_norm(x, 2, w, b)), None, None, w, b, True).sum(),
+        [x.double(), w.double(), b.double()],
+        [one.double()],
+    )[1]
+    for a, c in zip(got, want):
+        assert_close(a, c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_large(layout):
+    x, w, b, dy = (
+        _x(shape=(32, 64, 56, 56), dtype=torch.bfloat16, layout=layout),
+        randn(64),
+        randn(64),
+        randn(32, 64, 56, 56, dtype=torch.bfloat16),
+    )
+    _compare(
+        lambda x, w, b: norm.batch_norm(x, None, None, w, b, True),
+        lambda x, w, b: F.batch_norm(x, None, None, w.bfloat16(), b.bfloat16(), True),
+        [x, w, b],
+        [dy],
+        "bn",
+    )
+    _compare(
+        lambda x, w, b: norm.group_norm(x, 32, w, b),
+        lambda x, w, b: F.group_norm(x, 32, w.bfloat16(), b.bfloat16()),
+        [x, w, b],
+        [dy],
+        "gn",
+    )

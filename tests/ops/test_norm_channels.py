@@ -53,7 +53,7 @@ def test_group_norm_with_fused_activation(activation, poison):
 def test_group_norm_looped(layout, poison, monkeypatch):
     """Groups beyond the register tile: Chan's merge forward, two passes backward."""
     monkeypatch.setattr(G, "MAX_TILE", {False: 16, True: 16})
-    monkeypatch.setattr(G, "_plans", {})
+    monkeypatch.setattr(G.FAMILY, "_plans", {})
     monkeypatch.setattr(G.FAMILY, "_chosen", {})
     x, w, b, dy = _x(layout=layout, offset=50.0), randn(8), randn(8), randn(3, 8, 5, 7)
     _compare(
@@ -302,14 +302,14 @@ def test_large(layout):
     )
     _compare(
         lambda x, w, b: norm.batch_norm(x, None, None, w, b, True),
-        lambda x, w, b: F.batch_norm(x, None, None, w.bfloat16(), b.bfloat16(), True),
+        lambda x, w, b: F.batch_norm(x, None, None, w.to(x.dtype), b.to(x.dtype), True),
         [x, w, b],
         [dy],
         "bn",
     )
     _compare(
         lambda x, w, b: norm.group_norm(x, 32, w, b),
-        lambda x, w, b: F.group_norm(x, 32, w.bfloat16(), b.bfloat16()),
+        lambda x, w, b: F.group_norm(x, 32, w.to(x.dtype), b.to(x.dtype)),
         [x, w, b],
         [dy],
         "gn",

@@ -129,7 +129,7 @@ def test_fused_residual_gradient_of_the_sum_alone():
 def test_long_rows_use_the_looped_engine(rms, poison, monkeypatch):
     """Rows beyond the one-block limit: Chan's merge forward, two passes backward."""
     monkeypatch.setattr(L, "MAX_ONE_BLOCK", {False: 64, True: 64})
-    monkeypatch.setattr(L, "_plans", {})
+    monkeypatch.setattr(L.FAMILY, "_plans", {})
     monkeypatch.setattr(L.FAMILY, "_chosen", {})
     x, w, b, dy = randn(5, 300, scale=3.0) + 20.0, randn(300), randn(300), randn(5, 300)
     assert {r.name: r for r in L.FAMILY.report(L._describe(x, 300))}["looped"].chosen

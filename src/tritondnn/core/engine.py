@@ -177,6 +177,7 @@ class Family(Generic[P]):
         self.describe = describe
         self.engines: list[Engine[P]] = []
         self._chosen: dict[tuple[P, bool], Choice] = {}
+        self._plans: dict[tuple, Callable[..., Any]] = {}
         Family.registry[name] = self
 
     def register(self, engine_cls: type[Engine[P]]) -> type[Engine[P]]:
@@ -212,6 +213,20 @@ class Family(Generic[P]):
                 choice = self._heuristic(problem, candidates)
             self._chosen[key] = choice
         return choice
+
+    def plan(
+        self, key: tuple, problem: Callable[[], P], timing_args: Callable[[], Sequence[Any]]
+    ) -> Callable[..., Any]:
+        """The bound launch for a call, cached under ``key``: a tuple the caller builds cheaply
+        from its arguments (shapes, strides, dtypes, flags) that determines the problem. Only the
+        first call with a key builds the problem, selects an engine and binds it."""
+        key = (config.version, *key)
+        bound = self._plans.get(key)
+        if bound is None:
+            p = problem()
+            choice = self.select(p, timing_args)
+            bound = self._plans[key] = choice.engine.bind(p, choice.config)
+        return bound
 
     def _autotune(
         self, problem: P, candidates: Sequence[Engine[P]], make_args: Callable[[], Sequence[Any]]

@@ -426,32 +426,20 @@ class TiledEngine(Engine[BatchNormProblem]):
         return backward
 
 
-_plans: dict[BatchNormProblem, Callable[..., object]] = {}
-
-
-def _plan(problem: BatchNormProblem, timing_args: Callable[[], tuple]) -> Callable[..., object]:
-    plan = _plans.get(problem)
-    if plan is None:
-        choice = FAMILY.select(problem, timing_args)
-        plan = _plans[problem] = choice.engine.bind(problem, choice.config)
-    return plan
-
-
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _problem(
-    step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int
-) -> BatchNormProblem:
-    """The problem of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` may be None."""
+def _plan(step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int, timing_args):
+    """The bound launch of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` may be None."""
     n, c, s, strides = ncs_layout(x)
-    names = tuple(
-        dtype_name(t.dtype) for t in (x, weight if weight is not None else x, bias if bias is not None else x)
-    )
-    return BatchNormProblem(
-        step, training, update, weight is not None, bias is not None, act, names, n, c, s, strides
-    )
+    dtypes = (x.dtype, (weight if weight is not None else x).dtype, (bias if bias is not None else x).dtype)
+    flags = (step, training, update, weight is not None, bias is not None, act)
+
+    def problem() -> BatchNormProblem:
+        return BatchNormProblem(*flags, tuple(map(dtype_name, dtypes)), n, c, s, strides)
+
+    return FAMILY.plan((*flags, n, c, s, strides, *dtypes), problem, timing_args)
 
 
 def _default_shift(x: torch.Tensor) -> torch.Tensor:
@@ -464,8 +452,7 @@ def _default_shift(x: torch.Tensor) -> torch.Tensor:
 
 def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(splits, C) partial sums of x - shift and its square; x is in an (N, C, S) layout."""
-    problem = _problem("stats", x, True, False, None, None, NO_ACTIVATION)
-    return _plan(problem, lambda: (x, shift))(x, shift)
+    return _plan("stats", x, True, False, None, None, NO_ACTIVATION, lambda: (x, shift))(x, shift)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,14 +509,17 @@ def _forward(
 def _finalize_apply(
     x, sums, sums_sq, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1
 ):
-    problem = _problem("apply", x, training, training and rm is not None, weight, bias, act)
+    update = training and rm is not None
     w = weight if weight is not None else x  # absent tensors are passed as x and never read
     b = bias if bias is not None else x
     rm = rm if rm is not None else x
     rv = rv if rv is not None else x
     args = (x, sums, sums_sq, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
-    # Benchmark mode times on copies of the running statistics, which the launch updates.
-    _plan(problem, lambda: (*args[:6], rm.clone(), rv.clone(), *args[8:]))(*args)
+
+    def timing_args() -> tuple:  # benchmark mode times on copies of the running statistics
+        return (*args[:6], rm.clone(), rv.clone(), *args[8:])
+
+    _plan("apply", x, training, update, weight, bias, act, timing_args)(*args)
 
 
 def _fake_backward(dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db):
@@ -566,11 +556,10 @@ def _backward(
         return dx, dw.zero_(), db.zero_()
     x, dx = dense_ncs(x, dx)
     dy = in_layout(dy, dx)
-    problem = _problem("backward", dx, training, False, weight, bias, act)
     w = weight if weight is not None else x
     b = bias if bias is not None else x
     args = (dy, x, mean, rstd, w, b, dx, dw, db, x.numel() // x.shape[1], act_p0, act_p1)
-    _plan(problem, lambda: args)(*args)
+    _plan("backward", dx, training, False, weight, bias, act, lambda: args)(*args)
     return dx, dw, db
 
 

@@ -385,17 +385,6 @@ class LoopedEngine(_GroupEngine):
         return [(1, max(1, 4096 // block_c)), (1, max(1, 2048 // block_c)), (1, max(1, 8192 // block_c))]
 
 
-_plans: dict[GroupNormProblem, Callable[..., None]] = {}
-
-
-def _plan(problem: GroupNormProblem, timing_args: Callable[[], tuple]) -> Callable[..., None]:
-    plan = _plans.get(problem)
-    if plan is None:
-        choice = FAMILY.select(problem, timing_args)
-        plan = _plans[problem] = choice.engine.bind(problem, choice.config)
-    return plan
-
-
 # ---------------------------------------------------------------------------------------------
 # 4. torch.library ops and autograd.
 
@@ -435,12 +424,15 @@ def _forward(
     n, c, s, strides = ncs_layout(y)
     w = weight if weight is not None else x  # absent tensors are passed as x and never read
     b = bias if bias is not None else x
-    problem = GroupNormProblem(
-        False, weight is not None, bias is not None, act, False, False,
-        (dtype_name(x.dtype), dtype_name(w.dtype), dtype_name(b.dtype)), n, c, groups, s, strides,
-    )  # fmt: skip
-    args = (x, w, b, y, mean, rstd)
-    _plan(problem, lambda: (*args, eps, act_p0, act_p1))(*args, eps, act_p0, act_p1)
+    flags = (False, weight is not None, bias is not None, act, False, False)
+    key = (*flags, n, c, groups, s, strides, x.dtype, w.dtype, b.dtype)
+
+    def problem() -> GroupNormProblem:
+        names = (dtype_name(x.dtype), dtype_name(w.dtype), dtype_name(b.dtype))
+        return GroupNormProblem(*flags, names, n, c, groups, s, strides)
+
+    args = (x, w, b, y, mean, rstd, eps, act_p0, act_p1)
+    FAMILY.plan(key, problem, lambda: args)(*args)
     return y, mean, rstd
 
 
@@ -481,12 +473,15 @@ def _backward(
     n, c, s, strides = ncs_layout(dx)
     w = weight if weight is not None else x
     b = bias if bias is not None else x
-    problem = GroupNormProblem(
-        True, weight is not None, bias is not None, act, need_dw, need_db,
-        (dtype_name(x.dtype), dtype_name(w.dtype), dtype_name(dy.dtype)), n, c, groups, s, strides,
-    )  # fmt: skip
-    args = (dy, x, w, b, mean, rstd, dx, dw, db)
-    _plan(problem, lambda: (*args, act_p0, act_p1))(*args, act_p0, act_p1)
+    flags = (True, weight is not None, bias is not None, act, need_dw, need_db)
+    key = (*flags, n, c, groups, s, strides, x.dtype, w.dtype, dy.dtype)
+
+    def problem() -> GroupNormProblem:
+        names = (dtype_name(x.dtype), dtype_name(w.dtype), dtype_name(dy.dtype))
+        return GroupNormProblem(*flags, names, n, c, groups, s, strides)
+
+    args = (dy, x, w, b, mean, rstd, dx, dw, db, act_p0, act_p1)
+    FAMILY.plan(key, problem, lambda: args)(*args)
     return dx, dw, db
 
 

@@ -38,6 +38,7 @@ from .common import (
     dtype_name,
     in_layout,
     ncs_layout,
+    param_grads,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -523,9 +524,7 @@ def _finalize_apply(
 
 
 def _fake_backward(dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db):
-    dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
-    db = torch.empty_like(bias) if need_db else x.new_empty(0)
-    return torch.empty_like(x), dw, db
+    return torch.empty_like(x), *param_grads(x, weight, bias, need_dw, need_db)
 
 
 @custom_op(
@@ -550,8 +549,7 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx in x's layout, dweight or empty, dbias or empty)."""
     dx = torch.empty_like(x)
-    dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
-    db = torch.empty_like(bias) if need_db else x.new_empty(0)
+    dw, db = param_grads(x, weight, bias, need_dw, need_db)
     if x.numel() == 0:
         return dx, dw.zero_(), db.zero_()
     x, dx = dense_ncs(x, dx)

@@ -91,3 +91,13 @@ def dense_ncs(x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if ncs_layout(out) is None:
         return x.contiguous(), torch.empty(out.shape, dtype=out.dtype, device=out.device)
     return in_layout(x, out), out
+
+
+def param_grads(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, need_dw: bool, need_db: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the weight and bias gradients, or empty placeholders where none is needed (a
+    custom op returns tensors, not None)."""
+    dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db else x.new_empty(0)
+    return dw, db

@@ -25,7 +25,15 @@ from ...core.launcher import cdiv, launcher
 from ...core.library import custom_op
 from ...core.numerics import convert
 from ..activation import activation_gradient, activation_reference, activation_value
-from .common import NO_ACTIVATION, activation_kind, check_affine, check_eps, dtype_name, rows_view
+from .common import (
+    NO_ACTIVATION,
+    activation_kind,
+    check_affine,
+    check_eps,
+    dtype_name,
+    param_grads,
+    rows_view,
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Reference.
@@ -545,9 +553,9 @@ def _forward(
 
 
 def _fake_backward(dy, x, weight, bias, mean, rstd, dsum, n_cols, rms, act, act_p0, act_p1, need_dw, need_db):
-    dw = torch.empty_like(weight) if need_dw else _empty(x)
-    db = torch.empty_like(bias) if need_db else _empty(x)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), dw, db
+    return torch.empty_like(x, memory_format=torch.contiguous_format), *param_grads(
+        x, weight, bias, need_dw, need_db
+    )
 
 
 @custom_op(
@@ -575,8 +583,7 @@ def _backward(
     """(dx, dweight or empty, dbias or empty); ``x`` is what was normalized, ``dsum`` the
     gradient of the fused add's sum (added to dx)."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = torch.empty_like(weight) if need_dw else _empty(x)
-    db = torch.empty_like(bias) if need_db else _empty(x)
+    dw, db = param_grads(x, weight, bias, need_dw, need_db)
     if x.numel() == 0:
         dw.zero_()
         db.zero_()

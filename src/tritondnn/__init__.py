@@ -21,6 +21,8 @@ from .ops.activation import (
     swish,
     tanh,
 )
+from .ops.epilogue import Epilogue
+from .ops.matmul import MatmulOutput, linear, matmul
 from .ops.norm import (
     add_layer_norm,
     add_rms_norm,
@@ -38,6 +40,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EngineReport",
+    "Epilogue",
+    "MatmulOutput",
     "NotSupportedError",
     "__version__",
     "add_layer_norm",
@@ -54,7 +58,9 @@ __all__ = [
     "instance_norm",
     "layer_norm",
     "leaky_relu",
+    "linear",
     "log_softmax",
+    "matmul",
     "relu",
     "rms_norm",
     "sigmoid",

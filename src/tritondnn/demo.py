@@ -20,6 +20,7 @@ from .core.accuracy import check
 from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
+from .ops import matmul as mm
 from .ops import norm
 from .ops import softmax as sm
 
@@ -37,6 +38,8 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
     "softplus": (act.softplus, F.softplus),
     "softmax": (partial(sm.softmax, dim=-1), partial(torch.softmax, dim=-1)),
     "log_softmax": (partial(sm.log_softmax, dim=-1), partial(torch.log_softmax, dim=-1)),
+    "matmul (x @ x.T)": (lambda x: mm.matmul(x, x.mT), lambda x: x @ x.mT),
+    "linear+gelu": (lambda x: mm.linear(x, x[:64], activation="gelu"), lambda x: F.gelu(F.linear(x, x[:64]))),
     "layer_norm": (lambda x: norm.layer_norm(x, x.shape[-1]), lambda x: F.layer_norm(x, x.shape[-1:])),
     "rms_norm": (
         lambda x: norm.rms_norm(x, x.shape[-1], eps=1e-6),
@@ -70,7 +73,7 @@ def main(echo: Callable[[str], None] = print) -> int:
     for name, (ours, ref) in PRIMITIVES.items():
         for dtype in dtypes:
             x = torch.randn(shape, device=DEVICE_TYPE, dtype=dtype) * 3
-            dy = torch.randn_like(x)
+            dy = torch.randn_like(ref(x))  # the output's shape: matmul and linear change it
             y, dx = _forward_backward(ours, x, dy)
             y_torch, dx_torch = _forward_backward(ref, x, dy)
             y_ref, dx_ref = _forward_backward(ref, x.double(), dy.double())

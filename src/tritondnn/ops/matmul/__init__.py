@@ -1,0 +1,512 @@
+"""Matrix products with fused epilogues: cuDNN's matmul operation and the GEMM other families use.
+
+``matmul`` follows ``torch.matmul`` (1-D operands, broadcast batch dimensions) and ``linear``
+follows ``F.linear``; both fuse an epilogue (``ops.epilogue.Epilogue``: alpha/beta with a C
+input, a per-column or per-row bias, an activation, a residual, the output dtype, the stored
+pre-activation) into the GEMM kernel. Operands are read in place through their strides: transposed
+views (``W.T``), batch-broadcast and sliced matrices cost no copy.
+
+Numerics: fp16 and bf16 multiply on tensor cores and accumulate in fp32; fp32 is true fp32 unless
+``tdnn.config.allow_tf32``; fp64 accumulates in fp64; fp8 (e4m3, e5m2, on Hopper) takes per-tensor
+scales and can report the output's amax. Engines (see ``engines``): a tiled kernel for any GPU, a
+persistent TMA kernel on Hopper, split-K for few output tiles over a long K, and a skinny-M
+kernel for decode-style products. All are deterministic: split-K adds its partial sums in a
+fixed order, never with atomics.
+
+Files: ``reference`` (float64 meaning), ``kernels`` and ``tma`` (Triton), ``engines`` (problem,
+engines), ``plans`` (per-shape caches); this module holds the custom ops, autograd and the public
+functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ...core.checks import FLOAT_DTYPES, check_dtype, check_tensor
+from ...core.config import config
+from ...core.library import custom_op, plain_eager
+from ..epilogue import Epilogue
+from .engines import FAMILY, FP8_DTYPES, INPUT_DTYPES, MatmulProblem, merged_batch_dims, preactivation_dtype
+from .plans import backward_plan, forward_plan
+from .reference import linear_reference, matmul_reference
+
+__all__ = [
+    "FAMILY",
+    "Epilogue",
+    "MatmulOutput",
+    "MatmulProblem",
+    "linear",
+    "linear_reference",
+    "matmul",
+    "matmul_reference",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops. Operands have rank >= 2; c and residual have the output's full shape.
+
+
+def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    return (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+
+
+def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
+                  store_pre, amax, out_dtype):  # fmt: skip
+    shape = _out_shape(a, b)
+    return (
+        a.new_empty(shape, dtype=out_dtype),
+        a.new_empty(shape, dtype=preactivation_dtype(a.dtype, out_dtype))
+        if store_pre
+        else a.new_empty(0, dtype=out_dtype),
+        a.new_empty(() if amax else (0,), dtype=torch.float32),
+    )
+
+
+@custom_op(
+    "matmul",
+    "(Tensor a, Tensor b, Tensor? c, Tensor? bias, Tensor? residual, Tensor? scale_a, Tensor? scale_b, "
+    "float alpha, float beta, int bias_kind, int activation, float p0, float p1, bool store_pre, bool amax, "
+    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
+    _fake_forward,
+)
+def _forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
+             store_pre, amax, out_dtype):  # fmt: skip
+    """The product and its epilogue (see ``matmul``); absent pre-activation and amax come back as
+    empty tensors (an op returns tensors only)."""
+    run = forward_plan(
+        a, b, c, bias, residual, scale_a is not None, out_dtype, bias_kind, activation, store_pre, amax
+    )
+    out, pre, am = run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1)
+    return (
+        out,
+        out.new_empty(0) if pre is None else pre,
+        out.new_empty(0, dtype=torch.float32) if am is None else am,
+    )
+
+
+def _fake_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
+    m, n = grad.shape[-2:]
+    return (
+        grad.new_empty(
+            grad.shape if activation >= 0 else (0,), dtype=grad.dtype if pre is None else pre.dtype
+        ),
+        grad.new_empty((n if bias_kind == 1 else m) if bias_kind else 0, dtype=bias_dtype),
+    )
+
+
+@custom_op(
+    "matmul_epilogue_backward",
+    "(Tensor grad, Tensor? pre, int activation, float p0, float p1, int bias_kind, ScalarType bias_dtype) "
+    "-> (Tensor, Tensor)",
+    _fake_backward,
+)
+def _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
+    """(dpre, dbias) from the output gradient and the stored pre-activation, both (..., M, N)."""
+    m, n = grad.shape[-2:]
+    g3 = grad.reshape(-1, m, n)
+    run = backward_plan(g3, None if pre is None else pre.reshape(-1, m, n), activation, bias_kind, bias_dtype)
+    dpre, dbias = run(g3, None if pre is None else pre.reshape(-1, m, n), p0, p1)
+    return (
+        grad.new_empty(0) if dpre is None else dpre.view(grad.shape),
+        grad.new_empty(0, dtype=bias_dtype) if dbias is None else dbias,
+    )
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """Forward through the matmul op; backward: dpre = g * act'(pre), dA = alpha dpre B^T,
+    dB = alpha A^T dpre (the same kernels, on transposed views), dbias = sum of dpre,
+    dC = beta dpre, dresidual = g (each summed over the dimensions its input was broadcast on)."""
+
+    @staticmethod
+    def forward(
+        ctx, a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre, out_dtype
+    ):
+        keep = activation >= 0
+        flags = (bias_kind, activation, p0, p1, store_pre or keep, False, out_dtype)
+        out, pre, _ = _forward(a, b, c, bias, residual, None, None, alpha, beta, *flags)
+        ctx.save_for_backward(a, b, pre if keep else None)
+        ctx.params = (alpha, beta, bias_kind, activation, p0, p1)
+        ctx.meta = tuple(None if t is None else (t.shape, t.dtype) for t in (c, bias, residual))
+        ctx.mark_non_differentiable(pre)
+        return out, pre
+
+    @staticmethod
+    def backward(ctx, grad, _grad_pre):
+        a, b, pre = ctx.saved_tensors
+        alpha, beta, bias_kind, activation, p0, p1 = ctx.params
+        c_meta, bias_meta, residual_meta = ctx.meta
+        need_a, need_b, need_c, need_bias, need_residual = ctx.needs_input_grad[:5]
+        dpre, dbias = grad, None
+        if activation >= 0 or (need_bias and bias_kind):
+            bias_dtype = bias_meta[1] if bias_meta else grad.dtype
+            dpre_t, dbias_t = _epilogue_backward(
+                grad, pre, activation, p0, p1, bias_kind if need_bias else 0, bias_dtype
+            )
+            dpre = dpre_t if activation >= 0 else grad
+            dbias = dbias_t if need_bias else None
+        da = db = dc = dres = None
+        if need_a or need_b:
+            d = dpre.to(a.dtype)
+            none = (None,) * 5
+            if need_a:
+                da = _forward(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, False, a.dtype)[0]
+                da = da.sum_to_size(a.shape)
+            if need_b:
+                db = _forward(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, False, b.dtype)[0]
+                db = db.sum_to_size(b.shape)
+        if need_c:
+            dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
+        if need_residual:
+            dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
+        return da, db, dc, dbias, dres, *(None,) * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# The public layer: validation, torch.matmul's shape rules, fast path.
+
+
+class MatmulOutput(NamedTuple):
+    """What ``matmul`` returns when the pre-activation or the amax is asked for (None otherwise)."""
+
+    out: torch.Tensor
+    preactivation: torch.Tensor | None
+    amax: torch.Tensor | None
+
+
+def _shape_error(op: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"{op}: argument '{names[1]}' has shape {tuple(b.shape)}; its dimension {0 if b.ndim == 1 else -2} "
+        f"({b.shape[0 if b.ndim == 1 else -2]}) must equal the last dimension of '{names[0]}' of shape "
+        f"{tuple(a.shape)} ({a.shape[-1]})"
+    )
+
+
+def _check_scale(op: str, name: str, scale: object, fp8: bool) -> torch.Tensor | None:
+    if not fp8:
+        if scale is not None:
+            raise ValueError(f"{op}: argument '{name}' applies to fp8 operands only")
+        return None
+    if scale is None:
+        raise ValueError(
+            f"{op}: argument '{name}' is required for fp8 operands: a float32 tensor of one element, the "
+            "per-tensor scale the operand is multiplied by"
+        )
+    check_tensor(op, name, scale, dtypes=(torch.float32,))
+    if scale.numel() != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{op}: argument '{name}' must have one element, got shape {tuple(scale.shape)}")  # type: ignore[union-attr]
+    return scale  # type: ignore[return-value]
+
+
+def _check_broadcast(op: str, name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = check_tensor(op, name, t)
+    try:
+        ok = torch.broadcast_shapes(tensor.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{op}: argument '{name}' has shape {tuple(tensor.shape)}; it must broadcast to the "
+            f"output's shape {shape}"
+        )
+    return tensor
+
+
+def _rows_merge(t: torch.Tensor) -> bool:
+    """Whether ``t``'s batch dimensions and its rows can be viewed as one dimension."""
+    dims = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size != 1]
+    return all(outer[1] == inner[0] * inner[1] for outer, inner in itertools.pairwise(dims))
+
+
+def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, scale_b, want_amax):
+    """Validate, bring the call to the op's shapes and run it (through autograd when needed).
+
+    Returns the result and, for a plain eager call that a later one may repeat without checks, a
+    function ``fast(input, other, bias, p0, p1)`` doing the same: its plan reads only data
+    pointers, which the views made here share with the raw tensors.
+    """
+    check_tensor(op, names[0], input, dtypes=INPUT_DTYPES, min_ndim=1)
+    check_tensor(op, names[1], other, dtypes=INPUT_DTYPES, min_ndim=1)
+    fp8 = input.dtype in FP8_DTYPES
+    if (other.dtype in FP8_DTYPES) != fp8 or (not fp8 and other.dtype != input.dtype):
+        raise TypeError(
+            f"{op}: argument '{names[1]}' has dtype {other.dtype} but '{names[0]}' has {input.dtype}; "
+            "accepted: equal dtypes among float16, bfloat16, float32, float64, or any two of "
+            "float8_e4m3fn, float8_e5m2"
+        )
+    if input.device != other.device:
+        raise ValueError(f"{op}: '{names[1]}' is on {other.device} but '{names[0]}' is on {input.device}")
+    if epi is not None and not isinstance(epi, Epilogue):
+        raise TypeError(
+            f"{op}: argument 'epilogue' must be a tdnn.Epilogue or None, got {type(epi).__name__}"
+        )
+    epi = epi or Epilogue()
+    a = input.unsqueeze(0) if input.ndim == 1 else input
+    b = other.unsqueeze(-1) if other.ndim == 1 else other
+    if a.shape[-1] != b.shape[-2]:
+        raise _shape_error(op, names, input, other)
+    try:
+        batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except RuntimeError:
+        raise ValueError(
+            f"{op}: the batch dimensions of '{names[0]}' {tuple(input.shape[:-2])} and '{names[1]}' "
+            f"{tuple(other.shape[:-2])} do not broadcast"
+        ) from None
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    full = (*batch, m, n)
+    shape = (*batch, *((m,) if input.ndim > 1 else ()), *((n,) if other.ndim > 1 else ()))
+    scale_a = _check_scale(op, "scale_a", scale_a, fp8)
+    scale_b = _check_scale(op, "scale_b", scale_b, fp8)
+    if out_dtype is not None and epi.out_dtype is not None and out_dtype != epi.out_dtype:
+        raise ValueError(
+            f"{op}: argument 'out_dtype'={out_dtype} contradicts epilogue.out_dtype={epi.out_dtype}"
+        )
+    out_dtype = out_dtype or epi.out_dtype or (torch.bfloat16 if fp8 else input.dtype)
+    check_dtype(op, "out_dtype", out_dtype, FLOAT_DTYPES)
+    if (c is None) != (epi.beta == 0.0):
+        raise ValueError(
+            f"{op}: argument 'c' must be given exactly when epilogue.beta is non-zero "
+            f"(beta={epi.beta}, c {'given' if c is not None else 'missing'})"
+        )
+    if (residual is None) == epi.residual:
+        raise ValueError(f"{op}: argument 'residual' must be given exactly when epilogue.residual is True")
+    if (bias is None) != (epi.bias == "none"):
+        raise ValueError(
+            f"{op}: argument 'bias' must be given exactly when epilogue.bias is not 'none' "
+            f"(it is {epi.bias!r})"
+        )
+    if bias is not None:
+        length = n if epi.bias == "col" else m
+        check_tensor(op, "bias", bias, min_ndim=1, max_ndim=1)
+        if bias.shape[0] != length:
+            raise ValueError(
+                f"{op}: argument 'bias' has shape {tuple(bias.shape)}; a per-{epi.bias} bias needs "
+                f"({length},)"
+            )
+    if c is not None:
+        c = _check_broadcast(op, "c", c, shape).expand(shape).reshape(full)
+    if residual is not None:
+        residual = _check_broadcast(op, "residual", residual, shape).expand(shape).reshape(full)
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, other, c, bias, residual)
+    )
+    if grad and fp8:
+        raise ValueError(f"{op}: fp8 operands have no backward; call it on tensors that do not require grad")
+    # B without a batch over a batched A: the batch folds into A's rows (one bigger GEMM) when it
+    # can be viewed so. A batch that does not merge into two dimensions is copied into one.
+    others = [t for t in (c, residual) if t is not None]
+    copied = False
+    if b.ndim == 2 and a.ndim > 2 and epi.bias != "row" and all(_rows_merge(t) for t in (a, *others)):
+        a = a.reshape(-1, k)
+        c, residual = (None if t is None else t.reshape(-1, n) for t in (c, residual))
+    elif batch and merged_batch_dims(a, b, c, residual) > 2:
+        a = a.expand(*batch, m, k).reshape(-1, m, k)
+        b = b.expand(*batch, k, n).reshape(-1, k, n)
+        c, residual = (None if t is None else t.reshape(-1, m, n) for t in (c, residual))
+        copied = True
+    p0, p1 = epi.params
+    act, bias_kind = epi.activation_kind, epi.bias_kind
+    store_pre = epi.store_preactivation
+    if grad:
+        out, pre = _MatmulFunction.apply(
+            a, b, c, bias, residual, epi.alpha, epi.beta, bias_kind, act, p0, p1, store_pre, out_dtype
+        )
+        am = None
+    else:
+        out, pre, am = _forward(
+            a,
+            b,
+            c,
+            bias,
+            residual,
+            scale_a,
+            scale_b,
+            epi.alpha,
+            epi.beta,
+            bias_kind,
+            act,
+            p0,
+            p1,
+            store_pre,
+            want_amax,
+            out_dtype,
+        )
+    out = out.view(shape)
+    result = MatmulOutput(out, pre.view(shape) if store_pre else None, am if want_amax else None)
+    fast = None
+    if (
+        not (grad or copied or fp8 or store_pre or want_amax or others or epi.alpha != 1.0)
+        and plain_eager(input)
+        and plain_eager(other)
+        and (bias is None or plain_eager(bias))
+    ):
+        run = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, False, False)
+
+        def fast(input: torch.Tensor, other: torch.Tensor, bias: torch.Tensor | None, p0: float, p1: float):
+            return run(input, other, None, bias, None, None, None, 1.0, 0.0, p0, p1)[0].view(shape)
+
+    return (result if store_pre or want_amax else out), fast
+
+
+# Eager calls seen before (plain tensors, no c, residual, scales or extra outputs) run ``_run``'s
+# ``fast`` function, keyed by the call's own shapes, strides and options.
+_eager: dict[tuple, Callable[..., torch.Tensor]] = {}
+
+
+def matmul(
+    input: torch.Tensor,
+    other: torch.Tensor,
+    *,
+    epilogue: Epilogue | None = None,
+    c: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    scale_a: torch.Tensor | None = None,
+    scale_b: torch.Tensor | None = None,
+    amax: bool = False,
+) -> torch.Tensor | MatmulOutput:
+    """``torch.matmul`` with a fused epilogue: ``act(alpha * input @ other + beta * c + bias) + residual``.
+
+    Args:
+        input, other: fp16, bf16, fp32 or fp64 tensors of the same dtype, or fp8 (float8_e4m3fn,
+            float8_e5m2, any pair; Hopper GPUs). Shapes as ``torch.matmul``: 1-D operands are
+            vectors, batch dimensions broadcast. Any strides: transposed views are read in place.
+        epilogue: what to do to the product (``tdnn.Epilogue``); None for a plain product.
+        c: the C input scaled by ``epilogue.beta``; must broadcast to the output's shape.
+        bias: a 1-D vector of length N (``epilogue.bias="col"``) or M (``"row"``).
+        residual: added after the activation; must broadcast to the output's shape.
+        out_dtype: the output dtype (default: the inputs', bf16 for fp8), also settable as
+            ``epilogue.out_dtype``.
+        scale_a, scale_b: fp8 only, required: float32 tensors of one element multiplying each operand.
+        amax: also return max |output| (an fp32 scalar), for fp8 scaling recipes.
+
+    Returns the output, or a ``MatmulOutput(out, preactivation, amax)`` when
+    ``epilogue.store_preactivation`` or ``amax`` asks for more.
+
+    Numerics: fp32 accumulation (fp64 for fp64), TF32 for fp32 only with
+    ``tdnn.config.allow_tf32``. Gradients flow to every tensor input but the fp8 ones.
+
+    Raises TypeError for unsupported dtypes or dtype pairs, ValueError for mismatched inner
+    dimensions, batch dimensions that do not broadcast, missing fp8 scales and epilogue tensors
+    that do not match the epilogue.
+    """
+    plain = (
+        epilogue is None
+        and c is None
+        and bias is None
+        and residual is None
+        and out_dtype is None
+        and scale_a is None
+        and scale_b is None
+        and not amax
+    )
+    key = None
+    if plain and plain_eager(input) and plain_eager(other) and input.device == other.device:
+        key = (
+            "matmul",
+            config.version,
+            input.shape,
+            input.stride(),
+            input.dtype,
+            other.shape,
+            other.stride(),
+            other.dtype,
+        )
+        fast = _eager.get(key)
+        if fast is not None:
+            return fast(input, other, None, 0.0, 0.0)
+    names = ("input", "other")
+    result, fast = _run(
+        "tdnn.matmul", names, input, other, epilogue, c, bias, residual, out_dtype, scale_a, scale_b, amax
+    )
+    if key is not None and fast is not None:
+        _eager[key] = fast
+    return result
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    activation_params: tuple[float, ...] = (),
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.linear`` with a fused activation and residual: ``act(input @ weight.T + bias) + residual``.
+
+    Args:
+        input: (*, in_features), fp16/bf16/fp32/fp64.
+        weight: (out_features, in_features) or (in_features,), the input's dtype; read in place
+            (no transposed copy).
+        bias: (out_features,), or one element for a 1-D weight.
+        activation, activation_params: as ``tdnn.Epilogue`` (e.g. ``"gelu"``, ``"silu"``).
+        residual: added after the activation; must broadcast to the output (*, out_features).
+        out_dtype: the output dtype (default: the input's).
+
+    Gradients flow to input, weight, bias and residual.
+    """
+    key = None
+    if (
+        residual is None
+        and out_dtype is None
+        and plain_eager(input)
+        and plain_eager(weight)
+        and input.device == weight.device
+        and (bias is None or plain_eager(bias))
+        and type(activation_params) is tuple
+    ):
+        key = (
+            "linear",
+            config.version,
+            input.shape,
+            input.stride(),
+            input.dtype,
+            weight.shape,
+            weight.stride(),
+            weight.dtype,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+            activation,
+            activation_params,
+        )
+        fast = _eager.get(key)
+        if fast is not None:
+            return fast(input, weight, bias, *_params(activation, activation_params))
+    op = "tdnn.linear"
+    check_tensor(op, "input", input, dtypes=INPUT_DTYPES, min_ndim=1)
+    check_tensor(op, "weight", weight, dtypes=INPUT_DTYPES, min_ndim=1, max_ndim=2)
+    if weight.shape[-1] != input.shape[-1]:
+        raise ValueError(
+            f"{op}: argument 'weight' has shape {tuple(weight.shape)}; its last dimension must equal "
+            f"the last dimension of 'input' of shape {tuple(input.shape)}"
+        )
+    if bias is not None:
+        check_tensor(op, "bias", bias)
+        features = weight.shape[0] if weight.ndim == 2 else 1
+        if bias.numel() != features or bias.ndim > 1:
+            raise ValueError(f"{op}: argument 'bias' has shape {tuple(bias.shape)}; accepted: ({features},)")
+        bias = bias.reshape(features)
+    epi = Epilogue(
+        bias="none" if bias is None else "col",
+        activation=activation,
+        activation_params=tuple(activation_params),
+        residual=residual is not None,
+    )
+    b = weight.t() if weight.ndim == 2 else weight
+    out, fast = _run(
+        op, ("input", "weight"), input, b, epi, None, bias, residual, out_dtype, None, None, False
+    )
+    if key is not None and fast is not None:
+        _eager[key] = fast
+    return out
+
+
+@functools.cache
+def _params(activation: str | None, activation_params: tuple[float, ...]) -> tuple[float, float]:
+    return Epilogue(activation=activation, activation_params=activation_params).params

@@ -1,0 +1,674 @@
+"""Matmul problems and the four engines: ``tiled`` (any GPU, any layout), ``tma-persistent``
+(Hopper, tensor descriptors), ``split-k`` (few output tiles, long K) and ``skinny`` (M <= 64).
+
+A call reaches this module with operands of rank >= 2 whose batch dimensions merge into at most two
+(the public layer in ``__init__`` guarantees it), ``c`` and ``residual`` of the output's full shape
+(any strides, 0 for broadcast), and a 1-D bias. ``layout`` turns that into a ``MatmulProblem``:
+sizes, every tensor's strides over (batch outer, batch inner, rows, cols), dtypes and epilogue
+flags. Problems with few columns and many rows are solved transposed (out.T = B.T @ A.T), which
+makes them skinny-M problems: a matrix-vector product becomes a GEMV over the matrix's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+import triton.language as tl
+
+from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.config import config
+from ...core.engine import Engine, Family, LaunchConfig, Problem
+from ...core.launcher import cdiv, launcher
+from ...core.strides import collapse
+from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
+from .tma import _persistent_kernel, ensure_allocator
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FP8_DTYPES)
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+Strides = tuple[int, int, int, int]  # (batch outer, batch inner, row, col)
+SKINNY_M = 64  # the most rows the skinny engine takes in one tile
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def preactivation_dtype(input_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
+    """The stored pre-activation's dtype: the wider of the operands' and the output's (the output's
+    for fp8), so a narrower output does not cost the backward pass precision."""
+    return out_dtype if input_dtype in FP8_DTYPES else torch.promote_types(input_dtype, out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulProblem(Problem):
+    """One launch of ``out = epilogue(A @ B)`` over ``batch`` matrices of M x N, reduction K.
+
+    The batch is two merged dimensions (``batch`` in all, ``batch_inner`` the inner one's size);
+    strides are ``Strides`` per tensor. ``dtypes``: A, B, out. ``c_strides``/``residual_strides``
+    are None when that input is absent; ``bias``: 0 none, 1 per column, 2 per row;
+    ``activation``: an ``Activation`` value or -1. ``scaled``: fp8 with per-tensor scales.
+    ``tf32``: fp32 products may use TF32 (``config.allow_tf32``).
+    """
+
+    m: int
+    n: int
+    k: int
+    batch: int
+    batch_inner: int
+    dtypes: tuple[str, str, str]
+    a_strides: Strides
+    b_strides: Strides
+    out_strides: Strides
+    c_strides: Strides | None
+    residual_strides: Strides | None
+    bias: int
+    bias_stride: int
+    activation: int
+    store_pre: bool
+    scaled: bool
+    amax: bool
+    tf32: bool
+    index_64: bool
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtypes[0].startswith("float8")
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of A, B and the output, each moved once."""
+        a, b, out = (_ITEMSIZE[d] for d in self.dtypes)
+        return self.batch * (self.m * self.k * a + self.k * self.n * b + self.m * self.n * out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A problem and what a plan needs to run it on tensors: the output's shape (contiguous) and
+    whether the problem is the transposed one (then A and B trade places in the launch)."""
+
+    problem: MatmulProblem
+    out_shape: tuple[int, ...]
+    swapped: bool
+
+
+def _broadcast_strides(
+    shape: tuple[int, ...], strides: tuple[int, ...], target: tuple[int, ...]
+) -> list[int]:
+    """Strides of ``shape`` expanded to ``target`` (leading and size-1 dimensions get stride 0)."""
+    pad = len(target) - len(shape)
+    return [0 if i < pad or shape[i - pad] != target[i] else strides[i - pad] for i in range(len(target))]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _strides(a, b, c, residual) -> tuple[tuple[int, ...], dict[str, list[int]]]:
+    """The batch shape, and the strides of out (contiguous), a, b, c and residual over their
+    broadcast shapes (batch..., rows, cols)."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch_shape = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    out_shape = (*batch_shape, m, n)
+    tensors = {
+        "out": _contiguous_strides(out_shape),
+        "a": _broadcast_strides(tuple(a.shape), a.stride(), (*batch_shape, m, k)),
+        "b": _broadcast_strides(tuple(b.shape), b.stride(), (*batch_shape, k, n)),
+    }
+    for name, t in (("c", c), ("residual", residual)):
+        if t is not None:
+            tensors[name] = _broadcast_strides(tuple(t.shape), t.stride(), out_shape)
+    return batch_shape, tensors
+
+
+def merged_batch_dims(a, b, c, residual) -> int:
+    """How many dimensions the call's batch merges into (``layout`` takes at most two)."""
+    batch_shape, tensors = _strides(a, b, c, residual)
+    return len(collapse(batch_shape, *(s[: len(batch_shape)] for s in tensors.values()))[0])
+
+
+def layout(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    *,
+    out_dtype: torch.dtype,
+    bias_kind: int,
+    activation: int,
+    store_pre: bool,
+    scaled: bool,
+    amax: bool,
+) -> Layout:
+    """The problem the call poses (see the module docstring for what the tensors must be)."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch_shape, tensors = _strides(a, b, c, residual)
+    out_shape = (*batch_shape, m, n)
+    nb = len(batch_shape)
+    sizes, batch_strides = collapse(batch_shape, *(s[:nb] for s in tensors.values()))
+    if len(sizes) > 2:
+        raise ValueError(f"tdnn.matmul: batch dimensions {batch_shape} do not merge into two; copy first")
+    if len(sizes) == 1:
+        sizes, batch_strides = [1, *sizes], [[0, *s] for s in batch_strides]
+    full = {
+        name: (*bs, *s[nb:]) for (name, s), bs in zip(tensors.items(), batch_strides)
+    }  # (outer, inner, row, col) for each tensor
+    reach = max(
+        sum((size - 1) * abs(st) for size, st in zip((*sizes, rows, cols), s))
+        for s, rows, cols in (
+            (full["out"], m, n),
+            (full["a"], m, k),
+            (full["b"], k, n),
+            *((full[x], m, n) for x in ("c", "residual") if x in full),
+        )
+    )
+    swapped = n <= SKINNY_M < m
+    if swapped:  # out.T = B.T @ A.T: rows and columns trade places in every tensor
+        t = lambda s: (s[0], s[1], s[3], s[2])
+        full = {name: t(s) for name, s in full.items()}
+        full["a"], full["b"] = full["b"], full["a"]
+        m, n = n, m
+        bias_kind = {0: 0, 1: 2, 2: 1}[bias_kind]
+    dt_a, dt_b = (b.dtype, a.dtype) if swapped else (a.dtype, b.dtype)
+    problem = MatmulProblem(
+        m=m,
+        n=n,
+        k=k,
+        batch=sizes[0] * sizes[1],
+        batch_inner=sizes[1],
+        dtypes=(dtype_name(dt_a), dtype_name(dt_b), dtype_name(out_dtype)),
+        a_strides=full["a"],
+        b_strides=full["b"],
+        out_strides=full["out"],
+        c_strides=full.get("c"),
+        residual_strides=full.get("residual"),
+        bias=bias_kind,
+        bias_stride=bias.stride(0) if bias is not None else 0,
+        activation=activation,
+        store_pre=store_pre,
+        scaled=scaled,
+        amax=amax,
+        tf32=config.allow_tf32 and a.dtype == torch.float32,
+        index_64=max(reach + 1, math.prod(out_shape)) > 2**31 - 1,
+    )
+    return Layout(problem, out_shape, swapped)
+
+
+def _describe(input: torch.Tensor, other: torch.Tensor) -> MatmulProblem:
+    """The problem ``tdnn.matmul(input, other)`` poses, for ``tdnn.engines("matmul", a, b)``."""
+    a = input.unsqueeze(0) if input.ndim == 1 else input
+    b = other.unsqueeze(-1) if other.ndim == 1 else other
+    out_dtype = torch.bfloat16 if a.dtype in FP8_DTYPES else a.dtype
+    scaled = a.dtype in FP8_DTYPES
+    return layout(
+        a, b, None, None, None, out_dtype=out_dtype, bias_kind=0, activation=-1, store_pre=False,
+        scaled=scaled, amax=False,
+    ).problem  # fmt: skip
+
+
+FAMILY: Family[MatmulProblem] = Family("matmul", _describe)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines. Each bind returns ``run(a, b, out, c, bias, residual, pre, scale_a, scale_b, amax,
+# alpha, beta, p0, p1)`` (absent tensors replaced by ``out``), launching on the problem's layout.
+
+
+@functools.cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (a nominal 4 under the interpreter)."""
+    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
+
+
+@functools.cache
+def _hopper() -> bool:
+    return not INTERPRET and torch.cuda.get_device_capability() >= (9, 0)
+
+
+# Dense rates in TFLOP/s a good kernel reaches on H100 (fp32 without TF32 runs on the CUDA cores),
+# and memory bandwidth in TB/s: the cost model's units are microseconds.
+_PEAK = {
+    "float16": 700,
+    "bfloat16": 700,
+    "float8_e4m3fn": 1300,
+    "float8_e5m2": 1300,
+    "float32": 50,
+    "float64": 50,
+}
+_TF32_PEAK = 350
+_BANDWIDTH = 3.0
+
+
+def _peak(p: MatmulProblem) -> float:
+    return _TF32_PEAK if p.tf32 else _PEAK[p.dtypes[0]]
+
+
+def _roofline(p: MatmulProblem, compute_eff: float, bandwidth_eff: float, extra_bytes: int = 0) -> float:
+    """Microseconds: the slower of the arithmetic and the memory traffic at the given efficiencies."""
+    return max(
+        p.flops / (_peak(p) * 1e6 * compute_eff), (p.bytes + extra_bytes) / (_BANDWIDTH * 1e6 * bandwidth_eff)
+    )
+
+
+def _wave_util(programs: int) -> float:
+    """Fraction of the SMs busy over the waves ``programs`` equal programs take."""
+    sms = sm_count()
+    return programs / (cdiv(programs, sms) * sms) if programs else 1.0
+
+
+def _epilogue_constexprs(p: MatmulProblem) -> tuple:
+    return (p.c_strides is not None, p.bias, p.activation, p.residual_strides is not None,
+            p.store_pre, p.scaled, p.amax)  # fmt: skip
+
+
+def _epilogue_strides(p: MatmulProblem) -> tuple[int, ...]:
+    return (*(p.c_strides or (0,) * 4), *(p.residual_strides or (0,) * 4), p.bias_stride)
+
+
+def _dot_constexprs(p: MatmulProblem) -> tuple:
+    """ACC, PRECISION, UPCAST."""
+    acc = tl.float64 if p.dtypes[0] == "float64" else tl.float32
+    precision = "tf32" if p.tf32 else "ieee"  # ignored by tl.dot for operands other than fp32
+    return acc, precision, INTERPRET and p.dtypes[0] == "bfloat16"
+
+
+def _interpreter_reasons(p: MatmulProblem) -> list[str]:
+    if INTERPRET and p.fp8:
+        return ["Triton's interpreter has no fp8 arithmetic"]
+    return []
+
+
+def _fits(bm: int, bn: int, bk: int, warps: int, stages: int, itemsize: int) -> bool:
+    """Whether the pipeline's A and B tiles fit in shared memory (227 KB on H100; some is left for
+    the epilogue's layout conversions)."""
+    return stages * (bm * bk + bk * bn) * itemsize <= 200 * 1024
+
+
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> LaunchConfig:
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "GROUP_M": group,
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
+    """Tile shapes for the tiled and persistent kernels, the heuristic's pick first: 128x256
+    (16-bit) or 128x256x128 (fp8) tiles for big problems, smaller ones where the big tiles would
+    leave SMs idle."""
+    if p.fp8:
+        shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4)]
+    elif p.dtypes[0] == "float64":
+        shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2), (64, 32, 32, 4, 2)]
+    elif p.dtypes[0] == "float32" and not p.tf32:
+        shapes = [(128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)]
+    elif p.dtypes[0] == "float32":  # TF32: fp32 tiles take twice the shared memory of fp16 ones
+        shapes = [
+            (128, 256, 32, 8, 3),
+            (128, 128, 32, 4, 4),
+            (128, 128, 32, 8, 3),
+            (64, 128, 32, 4, 4),
+            (64, 64, 32, 4, 4),
+        ]
+    else:
+        shapes = [
+            (128, 256, 64, 8, 3),
+            (128, 128, 64, 4, 4),
+            (128, 128, 64, 8, 4),
+            (64, 128, 64, 4, 4),
+            (256, 128, 64, 8, 3),
+            (64, 64, 64, 4, 4),
+        ]
+    configs = [_tile(*s) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
+    big = configs[0]
+    if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
+        configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
+    return configs
+
+
+def _ints(p: MatmulProblem) -> tuple[int, ...]:
+    return (*p.a_strides, *p.b_strides, *p.out_strides, *_epilogue_strides(p))
+
+
+@FAMILY.register
+class TiledEngine(Engine[MatmulProblem]):
+    """Any problem: output tiles in grouped order, operands read in place through their strides."""
+
+    name = "tiled"
+
+    def not_supported_reasons(self, problem: MatmulProblem) -> list[str]:
+        return _interpreter_reasons(problem)
+
+    def cost(self, problem: MatmulProblem) -> float:
+        c = self.configs(problem)[0]
+        programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
+        return _roofline(problem, 0.8 * _wave_util(programs), 0.6 * min(1.0, programs / sm_count())) + 4
+
+    def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
+        return _tile_configs(problem)
+
+    def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+        return launcher(
+            _tiled_kernel,
+            (cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch,),
+            num_tensors=10,
+            ints=(p.m, p.n, p.k, p.batch_inner, *_ints(p)),
+            constexprs=(
+                *_epilogue_constexprs(p),
+                *_dot_constexprs(p),
+                p.index_64,
+                p.k % bk == 0,
+                bm,
+                bn,
+                bk,
+                config["GROUP_M"],
+            ),
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+
+
+def _aligned(stride: int, itemsize: int) -> bool:
+    return (stride * itemsize) % 16 == 0
+
+
+def _tma_transposed(strides: Strides, dtype: str) -> bool | None:
+    """How a descriptor reads a matrix with these (.., .., row, col) strides: False when rows are
+    contiguous runs (col stride 1), True when columns are, None when neither is aligned."""
+    rows, cols = strides[2:]
+    size = _ITEMSIZE[dtype]
+    if cols == 1 and _aligned(rows, size):
+        return False
+    if rows == 1 and _aligned(cols, size):
+        return True
+    return None
+
+
+@FAMILY.register
+class PersistentTmaEngine(Engine[MatmulProblem]):
+    """Hopper: one program per SM over the tiles, operands loaded by tensor descriptors (TMA)."""
+
+    name = "tma-persistent"
+
+    def not_supported_reasons(self, problem: MatmulProblem) -> list[str]:
+        p = problem
+        if INTERPRET:
+            return ["needs a Hopper GPU (tensor descriptors); the interpreter runs the tiled kernels"]
+        reasons = []
+        if not _hopper():
+            reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
+        if p.batch != 1:
+            reasons.append(f"one matrix only; this problem has a batch of {p.batch}")
+        if p.k == 0:
+            reasons.append("K is 0")
+        for name, strides, dtype in (("A", p.a_strides, p.dtypes[0]), ("B", p.b_strides, p.dtypes[1])):
+            if _tma_transposed(strides, dtype) is None:
+                reasons.append(
+                    f"{name} needs one contiguous dimension and 16-byte-aligned rows; strides {strides[2:]}"
+                )
+        return reasons
+
+    def cost(self, problem: MatmulProblem) -> float:
+        c = self.configs(problem)[0]
+        tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
+        return _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count())) + 5
+
+    def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
+        # The output tile is staged in shared memory for its descriptor store, beside the
+        # pipeline's buffers (TF32 128x256x32 tiles failed to build without this margin).
+        out_bytes = _ITEMSIZE[problem.dtypes[2]]
+        tiles = [
+            c
+            for c in _tile_configs(problem)
+            if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ITEMSIZE[problem.dtypes[0]]
+            + c["BLOCK_M"] * c["BLOCK_N"] * out_bytes
+            <= 216 * 1024
+        ]
+        plain = [{**c, "WARP_SPECIALIZE": False, "FLATTEN": False} for c in tiles]
+        if not (problem.fp8 or problem.dtypes[0] in ("float16", "bfloat16")):
+            # fp32 and TF32: warp specialization failed to compile (TF32) or ran 70x slower (fp32).
+            return plain
+        big = [c for c in tiles if c["BLOCK_M"] >= 128 and c["BLOCK_N"] >= 128][:2]
+        specialized = [{**c, "WARP_SPECIALIZE": True, "FLATTEN": False} for c in big]
+        # One loop over (tile, K step): the next tile's loads start during this tile's epilogue.
+        flattened = [{**c, "WARP_SPECIALIZE": ws, "FLATTEN": True} for c in big[:1] for ws in (False, True)]
+        if problem.fp8 or not big or big[0] != tiles[0]:
+            return plain + specialized + flattened
+        # The first pick, measured on H100 (bf16, 128x256 tiles): flattening gained 10% at K = 512;
+        # warp specialization 2-5% for K = 2048 to 4096 and lost 5% at K = 8192. (A 5-stage
+        # 128x128 warp-specialized variant computed NaNs: not listed.)
+        if problem.k <= 1024:
+            return flattened + plain + specialized
+        if problem.k <= 4096:
+            return specialized + plain + flattened
+        return plain + specialized + flattened
+
+    def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+        programs = min(sm_count(), cdiv(p.m, bm) * cdiv(p.n, bn))
+        so_m, so_n = p.out_strides[2:]
+        out_desc = so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
+        c_strides = (p.c_strides or (0,) * 4)[2:]
+        r_strides = (p.residual_strides or (0,) * 4)[2:]
+        a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
+        launch = launcher(
+            _persistent_kernel,
+            (programs,),
+            num_tensors=10,
+            ints=(
+                p.m,
+                p.n,
+                p.k,
+                *p.a_strides[2:],
+                *p.b_strides[2:],
+                so_m,
+                so_n,
+                *c_strides,
+                *r_strides,
+                p.bias_stride,
+                programs,
+            ),
+            constexprs=(
+                *_epilogue_constexprs(p),
+                *_dot_constexprs(p)[:2],
+                a_t,
+                b_t,
+                out_desc,
+                bm,
+                bn,
+                config["BLOCK_K"],
+                config["GROUP_M"],
+                config["WARP_SPECIALIZE"],
+                config["FLATTEN"],
+            ),
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+        fallback = TiledEngine().bind(p, _tile_configs(p)[0])
+        built = False
+
+        def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
+            nonlocal launch, built
+            # Descriptors need 16-byte-aligned base addresses, which only the call knows.
+            if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
+                fallback(a, b, out, *rest)
+                return
+            ensure_allocator()
+            if built:
+                launch(a, b, out, *rest)
+                return
+            try:  # the first launch compiles
+                launch(a, b, out, *rest)
+            except Exception as exc:  # Triton's passes raise errors of many kinds
+                # Triton 3.6's warp specialization fails to compile some epilogues: warn, and
+                # let the tiled kernel serve this problem.
+                warnings.warn(
+                    f"tritondnn: the {self.name} kernel with {config} failed to build "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); using the tiled kernel instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                launch = fallback
+                launch(a, b, out, *rest)
+            built = True
+
+        return run
+
+
+def _split_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+    """The K-split kernel (and, split in more than one, the reduction) as one callable."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    k_chunk = cdiv(cdiv(max(p.k, 1), config["SPLIT"]), bk) * bk
+    split = max(1, cdiv(p.k, k_chunk))
+    tiles = cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch
+    index_64 = p.index_64 or split * p.batch * p.m * p.n > 2**31 - 1
+    acc, precision, upcast = _dot_constexprs(p)
+    partial = launcher(
+        _split_kernel,
+        (tiles, split),
+        num_tensors=11,
+        ints=(p.m, p.n, p.k, p.batch_inner, p.batch, k_chunk, *_ints(p)),
+        constexprs=(*_epilogue_constexprs(p), acc, precision, upcast, index_64, split, bm, bn, bk),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+    if split == 1:
+        return lambda *args: partial(*args[:10], args[2], *args[10:])
+    rm, rn = 32, 64
+    reduce = launcher(
+        _reduce_kernel,
+        (cdiv(p.m, rm) * cdiv(p.n, rn) * p.batch,),
+        num_tensors=9,
+        ints=(p.m, p.n, p.batch_inner, p.batch, split, *p.out_strides, *_epilogue_strides(p)),
+        constexprs=(*_epilogue_constexprs(p), index_64, rm, rn),
+        num_warps=4,
+    )
+    ws_dtype = torch.float64 if p.dtypes[0] == "float64" else torch.float32
+
+    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
+        ws = torch.empty((split, p.batch, p.m, p.n), dtype=ws_dtype, device=out.device)
+        tensors, floats = rest[:7], rest[7:]
+        partial(a, b, out, *tensors, ws, *floats)
+        reduce(ws, out, *tensors, *floats)
+
+    return run
+
+
+def _split_configs(
+    p: MatmulProblem, tiles: list[tuple[int, int, int, int, int]], waves: int
+) -> list[LaunchConfig]:
+    """For each tile shape (BM, BN, BK, warps, stages) that fits: the largest power-of-two split
+    keeping the programs within ``waves`` times the SMs, then half and double that split."""
+    configs = []
+    for bm, bn, bk, warps, stages in tiles:
+        if not _fits(bm, bn, bk, warps, stages, _ITEMSIZE[p.dtypes[0]]):
+            continue
+        programs = cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch
+        most = max(1, p.k // (2 * bk))  # at least two K blocks per split
+        split = 1
+        while split * 2 <= most and programs * split * 2 <= waves * sm_count():
+            split *= 2
+        for s in (split, split // 2, split * 2):
+            c = {**_tile(bm, bn, bk, warps, stages), "SPLIT": max(1, min(s, most))}
+            if c not in configs:
+                configs.append(c)
+    return configs
+
+
+def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, bandwidth_eff: float) -> float:
+    programs = cdiv(p.m, config["BLOCK_M"]) * cdiv(p.n, config["BLOCK_N"]) * p.batch * config["SPLIT"]
+    split = config["SPLIT"]
+    extra = 8 * split * p.batch * p.m * p.n if split > 1 else 0  # the fp32 partials, written and read
+    util = min(1.0, programs / sm_count())
+    return _roofline(p, compute_eff * _wave_util(programs), bandwidth_eff * util, extra) + (
+        8 if split > 1 else 4
+    )
+
+
+@FAMILY.register
+class SplitKEngine(Engine[MatmulProblem]):
+    """Few output tiles, long K: each tile's K range is split over several programs, partial sums
+    go to an fp32 workspace and a second kernel adds them in a fixed order (deterministic)."""
+
+    name = "split-k"
+
+    def not_supported_reasons(self, problem: MatmulProblem) -> list[str]:
+        reasons = _interpreter_reasons(problem)
+        if problem.k < 128:
+            reasons.append(f"K={problem.k} is too short to split (under two blocks of 64)")
+        return reasons
+
+    def cost(self, problem: MatmulProblem) -> float:
+        return _split_cost(problem, self.configs(problem)[0], 0.6, 0.7)
+
+    def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
+        if problem.fp8:
+            tiles = [(64, 64, 128, 4, 4), (64, 128, 128, 4, 4)]
+        elif problem.dtypes[0] == "float64":
+            tiles = [(32, 32, 32, 4, 2)]
+        else:
+            tiles = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (32, 64, 128, 4, 4)]
+        configs = _split_configs(problem, tiles, 2)
+        return [c for c in configs if c["SPLIT"] > 1] or configs[:1]
+
+    def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _split_launch(problem, config)
+
+
+@FAMILY.register
+class SkinnyEngine(Engine[MatmulProblem]):
+    """Decode-style M of 1 to 64: all rows in one tile, programs over N (and K, split to fill the
+    SMs), bound by reading B once. M = 1 runs without tensor cores (a GEMV)."""
+
+    name = "skinny"
+
+    def not_supported_reasons(self, problem: MatmulProblem) -> list[str]:
+        reasons = _interpreter_reasons(problem)
+        if problem.m > SKINNY_M:
+            reasons.append(f"M={problem.m} rows exceed {SKINNY_M}")
+        return reasons
+
+    def cost(self, problem: MatmulProblem) -> float:
+        # Measured on H100 (bf16, N = K = 8192): 2.2 TB/s, as cuBLAS, for M of 1 to 64.
+        return _split_cost(problem, self.configs(problem)[0], 0.3, 0.75)
+
+    def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
+        m = problem.m
+        bm = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
+        # Measured on H100 (bf16, N = K = 8192): one row wants about 4 programs per SM (split K),
+        # 16 to 64 rows one program per SM (no split).
+        if bm == 1:
+            tiles, waves = [(1, 32, 256, 4, 3), (1, 64, 128, 4, 4), (1, 128, 64, 4, 4)], 4
+        elif problem.fp8:
+            tiles, waves = [(bm, 64, 256, 4, 4), (bm, 128, 128, 4, 4)], 1
+        elif problem.dtypes[0] == "float64":
+            tiles, waves = [(bm, 32, 32, 4, 2)], 1
+        else:
+            tiles = [(bm, 64, 128, 4, 4), (bm, 64, 256, 8, 3), (bm, 32, 128, 4, 4), (bm, 128, 64, 4, 4)]
+            waves = 1
+        return _split_configs(problem, tiles, waves)
+
+    def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _split_launch(problem, config)

@@ -1,0 +1,109 @@
+"""The Hopper kernel: persistent programs loading tiles through tensor descriptors (TMA).
+
+One program per SM walks the output tiles (grouped order, as the tiled kernel), so tile setup and
+the epilogue of one tile overlap the loads of the next, and the copy engine moves A and B tiles
+into shared memory without registers or address arithmetic. Descriptors are made on the device
+(``tl.make_tensor_descriptor``), which needs a scratch allocator: ``ensure_allocator`` installs
+one. Out-of-bounds parts of a tile load as zeros, so neither K nor the edges need masks.
+
+Requirements (checked by the engine): one matrix (no batch); each operand has one contiguous
+dimension and 16-byte-aligned rows (strides and base address); Triton compiled for sm_90+.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import _allocation
+
+from ...core.numerics import convert
+from .kernels import dot, epilogue_tile, grouped
+
+
+def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def ensure_allocator() -> None:
+    """Give Triton the global-memory allocator device-side descriptors are written into, unless
+    one is set. Triton keeps it in a context variable, which every thread starts without
+    (autograd runs the backward pass in threads of its own): call this before each launch."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_alloc)
+
+
+@triton.jit
+def _persistent_kernel(
+    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+    alpha, beta, p0, p1,
+    M, N, K, sa_m, sa_k, sb_k, sb_n, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+):  # fmt: skip
+    """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size.
+
+    A_T: A's M dimension is the contiguous one (a transposed view, sa_m == 1), so its descriptor
+    covers the stored K x M matrix and tiles are transposed after loading; otherwise sa_k == 1.
+    B_T: B's K dimension is contiguous (B = W.T of a row-major weight, sb_k == 1); otherwise
+    sb_n == 1. OUT_DESC: the output is stored through a descriptor too (so_n == 1, aligned rows).
+    WARP_SPECIALIZE: Triton splits the tile loop into producer (copy) and consumer (MMA) warps.
+    FLATTEN: Triton pipelines the tile and K loops as one, so the next tile's loads are issued
+    during this tile's epilogue.
+    """
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [sa_m, 1], [BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
+    if OUT_DESC:
+        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, BLOCK_N])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    # The epilogue finds its tile from a counter of its own: with the loops flattened, what the top
+    # of the body computes may already belong to the next tile.
+    tile_done = tl.program_id(0) - programs
+    for tile in tl.range(
+        tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
+        pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+        for kt in range(k_tiles):
+            off_k = kt * BLOCK_K
+            if A_T:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_T:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = dot(a, b, acc, PRECISION, False)
+        tile_done += programs
+        pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        y = epilogue_tile(
+            acc, rows, cols, 0, M, N, 1,
+            c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+            alpha, beta, p0, p1,
+            0, 0, so_m, so_n, 0, 0, sc_m, sc_n, 0, 0, sr_m, sr_n, s_bias,
+            HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX,
+        )  # fmt: skip
+        if OUT_DESC:
+            out_desc.store([off_m, off_n], convert(y, out_ptr.dtype.element_ty))
+        else:
+            mask = (rows < M)[:, None] & (cols < N)[None, :]
+            out_ptrs = out_ptr + rows[:, None] * so_m + cols[None, :] * so_n
+            tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=mask)

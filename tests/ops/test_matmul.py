@@ -1,0 +1,713 @@
+"""Matmul and linear: torch.matmul's shapes, layouts read in place, every epilogue option, every
+engine and config, gradients of every input, determinism, errors, the library ops, torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondnn as tdnn
+from helpers import DEVICE, ON_GPU, assert_close, randn
+from tritondnn.ops import matmul as mm
+from tritondnn.ops.epilogue import Epilogue
+from tritondnn.ops.matmul import engines as mm_engines
+
+CPU_DTYPES = (torch.float16, torch.float32)
+BF16_ON_GPU = "Triton's interpreter computes bf16 tl.dot wrongly"
+FP8_ON_GPU = "fp8 tl.dot needs a Hopper GPU; the interpreter has no fp8"
+
+# The activations in the operands' own dtype, as PyTorch computes them (for its error bound).
+TORCH_ACT = {
+    "relu": lambda x, p0, p1: torch.where(x > 0, torch.where(x >= p1, p1, x), x * p0),
+    "elu": lambda x, p0, p1: F.elu(x, alpha=p0),
+    "sigmoid": lambda x, p0, p1: torch.sigmoid(x),
+    "tanh": lambda x, p0, p1: torch.tanh(x),
+    "gelu": lambda x, p0, p1: F.gelu(x),
+    "gelu_tanh": lambda x, p0, p1: F.gelu(x, approximate="tanh"),
+    "silu": lambda x, p0, p1: x * torch.sigmoid(p0 * x),
+    "softplus": lambda x, p0, p1: F.softplus(x, beta=p0, threshold=p1),
+}
+
+
+def _torch_matmul(a, b, epi: Epilogue, c=None, bias=None, residual=None, out_dtype=None):
+    """The same computation composed of PyTorch ops in the operands' dtype."""
+    y = torch.matmul(a, b) * epi.alpha
+    if c is not None:
+        y = y + epi.beta * c
+    if bias is not None:
+        y = y + (bias[:, None] if epi.bias == "row" and a.ndim > 1 and b.ndim > 1 else bias)
+    if epi.activation is not None:
+        y = TORCH_ACT[epi.activation](y, *epi.params)
+    if residual is not None:
+        y = y + residual
+    return y.to(out_dtype or a.dtype)
+
+
+def _check(a, b, epi=None, c=None, bias=None, residual=None, out_dtype=None, grads=True, what=""):
+    """Output (and pre-activation) against the float64 reference, and every input's gradient."""
+    epi = epi or Epilogue()
+    named = {"a": a, "b": b, "c": c, "bias": bias, "residual": residual}
+    inputs = {k: v for k, v in named.items() if v is not None}
+    leaves = {k: v.detach().requires_grad_(grads) for k, v in inputs.items()}
+    leaves64 = {k: v.detach().double().requires_grad_(grads) for k, v in inputs.items()}
+    kw = {k: leaves.get(k) for k in ("c", "bias", "residual")}
+    result = mm.matmul(leaves["a"], leaves["b"], epilogue=epi, out_dtype=out_dtype, **kw)
+    out, pre = (result.out, result.preactivation) if epi.store_preactivation else (result, None)
+    torch_out = _torch_matmul(*(inputs.get(k) for k in ("a", "b")), epi, c, bias, residual, out_dtype)
+    kw64 = {k: leaves64.get(k) for k in ("c", "bias", "residual")}
+    ref, ref_pre = mm.matmul_reference(leaves64["a"], leaves64["b"], epilogue=epi, **kw64)
+    assert out.dtype == (out_dtype or epi.out_dtype or a.dtype) and out.shape == ref.shape
+    assert_close(out.detach(), ref.detach(), torch_out, f"{what} forward")
+    if pre is not None:
+        assert_close(pre, ref_pre.detach(), what=f"{what} pre-activation")
+    if not grads:
+        return
+    dy = torch.randn(out.shape, device=DEVICE, dtype=out.dtype)
+    ours = torch.autograd.grad(out, list(leaves.values()), dy)
+    theirs = torch.autograd.grad(ref, list(leaves64.values()), dy.double())
+    torch_leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
+    torch_y = _torch_matmul(
+        torch_leaves["a"],
+        torch_leaves["b"],
+        epi,
+        *(torch_leaves.get(k) for k in ("c", "bias", "residual")),
+        out_dtype,
+    )
+    torch_grads = torch.autograd.grad(torch_y, list(torch_leaves.values()), dy)
+    for name, g, g_ref, g_torch in zip(leaves, ours, theirs, torch_grads):
+        assert g.dtype == inputs[name].dtype and g.shape == inputs[name].shape
+        assert_close(g, g_ref, g_torch, f"{what} d{name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values, shapes and layouts.
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("mnk", [(37, 41, 29), (64, 64, 64), (3, 70, 131), (97, 5, 23)], ids=str)
+def test_values_and_gradients(mnk, dtype, poison):
+    m, n, k = mnk
+    _check(randn(m, k, dtype=dtype), randn(k, n, dtype=dtype), what=f"{mnk}")
+
+
+@pytest.mark.gpu_only(BF16_ON_GPU)
+@pytest.mark.parametrize("mnk", [(37, 41, 29), (128, 256, 64), (3, 70, 131), (300, 7, 515)], ids=str)
+def test_bf16(mnk, poison):
+    m, n, k = mnk
+    a, b = randn(m, k, dtype=torch.bfloat16), randn(k, n, dtype=torch.bfloat16)
+    _check(a, b, what=f"bf16 {mnk}")
+    epi = Epilogue(bias="col", activation="gelu", residual=True)
+    _check(a, b, epi, bias=randn(n, dtype=torch.bfloat16), residual=randn(m, n, dtype=torch.bfloat16))
+
+
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.mT.contiguous().mT,  # column-major: the matrix's rows are strided
+    "sliced": lambda t: torch.cat([t, t], -1)[..., ::2],  # every second element of a wider buffer
+    "row-sliced": lambda t: torch.cat([t, t], -2)[..., 1::2, :],
+}
+
+
+@pytest.mark.parametrize("layout_b", list(LAYOUTS))
+@pytest.mark.parametrize("layout_a", list(LAYOUTS))
+def test_layouts_are_read_in_place(layout_a, layout_b, poison):
+    a = LAYOUTS[layout_a](randn(33, 20))
+    b = LAYOUTS[layout_b](randn(20, 47))
+    problem = mm.FAMILY.describe(a, b)
+    assert problem.a_strides[2:] == a.stride() and problem.b_strides[2:] == b.stride(), "no copy"
+    _check(a, b, grads=layout_a == "transposed", what=f"{layout_a} @ {layout_b}")
+
+
+SHAPES = [
+    ((7,), (7,)),  # dot product: a 0-d result
+    ((5, 7), (7,)),  # matrix @ vector
+    ((7,), (7, 6)),
+    ((7,), (3, 7, 6)),  # 1-D @ batched
+    ((2, 5, 7), (7,)),
+    ((3, 5, 7), (7, 6)),  # B without a batch: the batch folds into A's rows
+    ((5, 7), (3, 7, 6)),  # A broadcast over B's batch
+    ((2, 1, 5, 7), (3, 7, 6)),  # both broadcast: two batch dimensions
+    ((1, 3, 5, 7), (2, 1, 7, 6)),
+    ((120, 9), (9, 3)),  # few columns, many rows: solved transposed
+]
+
+
+@pytest.mark.parametrize(("shape_a", "shape_b"), SHAPES, ids=str)
+def test_torch_matmul_shapes(shape_a, shape_b, poison):
+    _check(randn(*shape_a), randn(*shape_b), what=f"{shape_a} @ {shape_b}")
+
+
+def test_batch_dimensions_that_do_not_merge_are_copied(poison):
+    """Three batch dimensions that no stride pattern merges: the operands are copied into one."""
+    a = randn(2, 3, 4, 5, 6).permute(1, 0, 2, 3, 4)[:, :, ::2]  # (3, 2, 2, 5, 6)
+    b = randn(1, 2, 1, 6, 4)
+    _check(a, b)
+
+
+def test_batched_with_transposed_batch_strides(poison):
+    a = randn(5, 4, 9).permute(1, 0, 2)  # batch is not the outermost dimension in memory
+    b = randn(4, 3, 9).mT
+    _check(a, b)
+
+
+@pytest.mark.parametrize(
+    ("shape_a", "shape_b"),
+    [((0, 5), (5, 4)), ((3, 5), (5, 0)), ((0, 3, 5), (5, 4)), ((4, 0), (0, 6))],
+    ids=str,
+)
+def test_empty_dimensions(shape_a, shape_b, poison):
+    """M, N or the batch of size 0 give an empty output; K = 0 gives zeros, and the epilogue of zeros."""
+    a, b = randn(*shape_a), randn(*shape_b)
+    _check(a, b)
+    if a.shape[-1] == 0:
+        n = b.shape[-1]
+        bias = randn(n)
+        out = mm.matmul(a, b, epilogue=Epilogue(bias="col", activation="sigmoid"), bias=bias)
+        assert_close(out, torch.sigmoid(bias.double()).expand(4, n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Epilogues.
+
+EPILOGUES = {
+    "alpha": Epilogue(alpha=0.5),
+    "alpha-beta-c": Epilogue(alpha=-1.5, beta=0.75),
+    "bias-col": Epilogue(bias="col"),
+    "bias-row": Epilogue(bias="row"),
+    "residual": Epilogue(residual=True),
+    "bias-gelu-residual": Epilogue(bias="col", activation="gelu", residual=True),
+    "beta-c-relu-pre": Epilogue(beta=1.0, activation="relu", store_preactivation=True),
+    "leaky-clipped-relu": Epilogue(activation="relu", activation_params=(0.1, 1.5)),
+    **{name: Epilogue(bias="row", activation=name, store_preactivation=True) for name in TORCH_ACT},
+    "swish-beta": Epilogue(activation="silu", activation_params=(1.7,)),
+    "softplus-params": Epilogue(activation="softplus", activation_params=(2.0, 3.0)),
+}
+
+
+def _epilogue_inputs(epi: Epilogue, m: int, n: int, dtype: torch.dtype, c_shape=None) -> dict:
+    return {
+        "c": randn(*(c_shape or (m, n)), dtype=dtype) if epi.beta else None,
+        "bias": randn({"col": n, "row": m}[epi.bias], dtype=dtype) if epi.bias != "none" else None,
+        "residual": randn(m, n, dtype=dtype) if epi.residual else None,
+    }
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_epilogue(name, dtype, poison):
+    epi = EPILOGUES[name]
+    m, n, k = 19, 37, 24
+    a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype)
+    _check(a, b, epi, **_epilogue_inputs(epi, m, n, dtype), what=name)
+
+
+def test_epilogue_with_broadcast_inputs_and_batch(poison):
+    """C broadcast along rows, a residual broadcast over the batch, bias per row of each matrix."""
+    epi = Epilogue(alpha=2.0, beta=-1.0, bias="row", activation="tanh", residual=True)
+    a, b = randn(3, 6, 10), randn(3, 10, 8)
+    _check(a, b, epi, c=randn(8), bias=randn(6), residual=randn(6, 8))
+    _check(a, b.mT.contiguous().mT, epi, c=randn(3, 1, 8), bias=randn(6), residual=randn(3, 6, 8))
+
+
+@pytest.mark.parametrize(
+    ("shape_a", "shape_b"), [((7,), (7, 6)), ((5, 7), (7,)), ((120, 9), (9, 3))], ids=str
+)
+def test_epilogue_on_vectors_and_transposed_problems(shape_a, shape_b, poison):
+    """Per-column and per-row bias keep their meaning when a vector operand or a transposed
+    (few-columns) problem moves rows and columns around."""
+    a, b = randn(*shape_a), randn(*shape_b)
+    m = shape_a[0] if len(shape_a) == 2 else 1
+    n = shape_b[1] if len(shape_b) == 2 else 1
+    shape = torch.matmul(a, b).shape
+    for bias_kind in ("col", "row"):
+        epi = Epilogue(bias=bias_kind, activation="silu", residual=True)
+        bias = randn(n if bias_kind == "col" else m)
+        _check(a, b, epi, bias=bias, residual=randn(*shape), what=bias_kind)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.float16)]
+)
+def test_output_dtype(dtype, out_dtype, poison):
+    a, b = randn(21, 30, dtype=dtype), randn(30, 11, dtype=dtype)
+    _check(
+        a, b, Epilogue(bias="col", activation="gelu_tanh"), bias=randn(11, dtype=dtype), out_dtype=out_dtype
+    )
+    out = mm.matmul(a, b, epilogue=Epilogue(out_dtype=out_dtype))
+    assert out.dtype == out_dtype
+
+
+def test_amax_output(poison):
+    a, b = randn(30, 20), randn(20, 50)
+    out, pre, amax = mm.matmul(
+        a, b, epilogue=Epilogue(bias="col", activation="elu"), bias=randn(50), amax=True
+    )
+    assert pre is None and amax.shape == () and amax.dtype == torch.float32
+    assert float(amax) == float(out.abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines: each one, with each of its configs, on a problem it accepts.
+
+
+def _launch_args(problem, lay, a, b, c, bias, residual, alpha, beta, p0, p1):
+    out = torch.empty(lay.out_shape, dtype=a.dtype, device=DEVICE)
+    pre = torch.empty_like(out) if problem.store_pre else out
+    amax = torch.zeros((), device=DEVICE) if problem.amax else out
+    first, second = (b, a) if lay.swapped else (a, b)
+    fill = lambda t: out if t is None else t
+    return (
+        out,
+        pre,
+        amax,
+        (first, second, out, fill(c), fill(bias), fill(residual), pre, out, out, amax, alpha, beta, p0, p1),
+    )
+
+
+ENGINE_PROBLEMS = {
+    "square": (20, 50, 300),
+    "decode": (1, 70, 300),
+    "skinny": (16, 40, 200),
+    "odd": (37, 29, 131),
+}
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu_only(BF16_ON_GPU))], ids=str
+)
+@pytest.mark.parametrize("problem_name", list(ENGINE_PROBLEMS))
+def test_every_engine_and_config(problem_name, dtype, poison, cache_dir):
+    """Benchmark mode may pick any engine and config: each must be right on every problem it takes."""
+    m, n, k = ENGINE_PROBLEMS[problem_name]
+    epi = Epilogue(
+        alpha=0.5, beta=1.0, bias="col", activation="silu", residual=True, store_preactivation=True
+    )
+    a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype).mT.contiguous().mT
+    extra = _epilogue_inputs(epi, m, n, dtype)
+    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+    torch_out = _torch_matmul(a, b, epi, **extra)
+    lay = mm_engines.layout(
+        a,
+        b,
+        extra["c"],
+        extra["bias"],
+        extra["residual"],
+        out_dtype=a.dtype,
+        bias_kind=epi.bias_kind,
+        activation=epi.activation_kind,
+        store_pre=True,
+        scaled=False,
+        amax=True,
+    )
+    tried = set()
+    for engine in mm.FAMILY.engines:
+        if engine.not_supported_reasons(lay.problem):
+            continue
+        for config in engine.configs(lay.problem):
+            out, pre, amax, args = _launch_args(
+                lay.problem, lay, a, b, *extra.values(), epi.alpha, epi.beta, *epi.params
+            )
+            engine.launch(lay.problem, config, *args)
+            what = f"{engine.name} {config}"
+            assert_close(out, ref, torch_out, what=what)
+            assert_close(pre, ref_pre, what=what)
+            # amax is taken before the output's rounding: exact in fp32, within a rounding in bf16.
+            tol = 0.0 if dtype == torch.float32 else 8e-3 * float(amax)
+            assert abs(float(amax) - float(out.float().abs().max())) <= tol, what
+            tried.add(engine.name)
+    assert "tiled" in tried and ("skinny" in tried or m > mm_engines.SKINNY_M)
+
+
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
+    """The Hopper kernel's indexing, persistence and epilogue with tiles small enough that each
+    program loops over several; under the interpreter (which emulates tensor descriptors) its
+    engine declines, so it is bound directly."""
+    m, n, k = 40, 72, 36  # several tiles per program, a K tail the descriptors zero-fill
+    a = randn(k, m).mT if a_t else randn(m, k)
+    b = randn(n, k).mT if b_t else randn(k, n)
+    epi = Epilogue(bias="row", activation="gelu", residual=True, store_preactivation=True)
+    extra = _epilogue_inputs(epi, m, n, torch.float32)
+    lay = mm_engines.layout(
+        a,
+        b,
+        None,
+        extra["bias"],
+        extra["residual"],
+        out_dtype=torch.float32,
+        bias_kind=2,
+        activation=epi.activation_kind,
+        store_pre=True,
+        scaled=False,
+        amax=False,
+    )
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    assert bool(engine.not_supported_reasons(lay.problem)) == (not ON_GPU)
+    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+    for config in engine.configs(lay.problem)[:2]:
+        config = {**config, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
+        out, pre, _, args = _launch_args(
+            lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
+        )
+        engine.bind(lay.problem, config)(*args)
+        assert_close(out, ref, what=f"tma {config}")
+        assert_close(pre, ref_pre, what=f"tma {config}")
+
+
+def test_engine_choice_and_reasons():
+    reports = {r.name: r for r in tdnn.engines("matmul", randn(300, 8), randn(8, 200))}
+    assert reports["tiled"].supported
+    assert "too short to split" in reports["split-k"].reasons[0]
+    assert "exceed 64" in reports["skinny"].reasons[0]
+    hopper = ON_GPU and torch.cuda.get_device_capability() >= (9, 0)
+    assert bool(reports["tma-persistent"].reasons) != hopper
+    decode = {r.name: r for r in tdnn.engines("matmul", randn(1, 512), randn(512, 256))}
+    assert decode["skinny"].supported
+
+
+def test_deterministic_mode_gives_the_same_bits(poison):
+    """Every engine and config, twice: split-K and skinny reduce their partial sums in order."""
+    a, b = randn(24, 512), randn(512, 40)
+    with tdnn.config.flags(deterministic=True):
+        problem = mm.FAMILY.describe(a, b)
+        lay = mm_engines.layout(
+            a,
+            b,
+            None,
+            None,
+            None,
+            out_dtype=a.dtype,
+            bias_kind=0,
+            activation=-1,
+            store_pre=False,
+            scaled=False,
+            amax=False,
+        )
+        for engine in mm.FAMILY.engines:
+            if engine.not_supported_reasons(problem):
+                continue
+            config = engine.configs(problem)[0]
+            outs = []
+            for _ in range(2):
+                out, _, _, args = _launch_args(problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+                engine.launch(problem, config, *args)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), engine.name
+        assert torch.equal(mm.matmul(a, b), mm.matmul(a, b))
+
+
+def test_allow_tf32_is_part_of_the_problem():
+    a, b = randn(20, 30), randn(30, 10)
+    assert not mm.FAMILY.describe(a, b).tf32
+    with tdnn.config.flags(allow_tf32=True):
+        assert mm.FAMILY.describe(a, b).tf32
+        out, ref = mm.matmul(a, b), a.double() @ b.double()
+    # TF32 keeps 10 mantissa bits (Triton's MMA truncates, cuBLAS rounds): a relative bound.
+    assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())
+    assert not mm.FAMILY.describe(a.half(), b.half()).tf32
+
+
+def test_benchmark_mode_times_and_caches(cache_dir):
+    a, b = randn(16, 300), randn(300, 20)
+    with tdnn.config.flags(benchmark=True):
+        out = mm.matmul(a, b)
+    assert_close(out, a.double() @ b.double(), a @ b)
+    assert "MatmulProblem" in next(cache_dir.glob("autotune-*.json")).read_text()
+
+
+def test_repeat_calls_take_the_cached_plan(monkeypatch):
+    a, b, w, bias = randn(9, 12), randn(12, 7), randn(5, 12), randn(5)
+    first, first_linear = mm.matmul(a, b), mm.linear(a, w, bias, activation="relu")
+    monkeypatch.setattr(mm, "_run", None)  # a second call that validated again would fail here
+    a2, b2 = randn(9, 12), randn(12, 7)
+    assert_close(mm.matmul(a2, b2), a2.double() @ b2.double(), a2 @ b2)
+    assert_close(
+        mm.linear(a, w, bias, activation="relu"), F.relu(F.linear(a.double(), w.double(), bias.double()))
+    )
+    assert torch.equal(mm.matmul(a, b), first) and torch.equal(
+        mm.linear(a, w, bias, activation="relu"), first_linear
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# linear.
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("shape_x", "shape_w", "bias"),
+    [
+        ((4, 6, 20), (9, 20), True),
+        ((20,), (9, 20), True),
+        ((7, 20), (20,), False),
+        ((3, 20), (30, 20), False),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_linear(shape_x, shape_w, bias, activation, dtype, poison):
+    inputs = [randn(*shape_x, dtype=dtype), randn(*shape_w, dtype=dtype)]
+    inputs += [randn(*shape_w[:-1], dtype=dtype)] if bias else []
+
+    def torch_linear(x, w, b=None):
+        y = F.linear(x, w, b)
+        return F.gelu(y) if activation else y
+
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = mm.linear(*leaves, activation=activation)
+    torch_leaves = [t.detach().requires_grad_(True) for t in inputs]
+    torch_out = torch_linear(*torch_leaves)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = torch_linear(*leaves64)
+    assert out.shape == torch_out.shape and out.dtype == dtype
+    assert_close(out.detach(), ref.detach(), torch_out.detach(), "linear")
+    dy = torch.randn_like(out)
+    ours = torch.autograd.grad(out, leaves, dy)
+    theirs = torch.autograd.grad(ref, leaves64, dy.double())
+    torch_grads = torch.autograd.grad(torch_out, torch_leaves, dy)
+    for g, g_ref, g_torch in zip(ours, theirs, torch_grads):
+        assert_close(g, g_ref, g_torch, "linear gradient")
+
+
+def test_linear_weight_is_not_copied(monkeypatch):
+    x, w = randn(6, 16), randn(10, 16)
+    assert mm.FAMILY.describe(x, w.t()).b_strides[2:] == (1, 16)
+    monkeypatch.setattr(torch.Tensor, "contiguous", None)  # any copy of an operand would fail
+    assert_close(mm.linear(x, w), F.linear(x.double(), w.double()))
+
+
+def test_linear_residual_and_activation_params(poison):
+    x, w, bias, res = randn(5, 3, 12), randn(8, 12), randn(8), randn(3, 8)
+    out = mm.linear(x, w, bias, activation="relu", activation_params=(0.2, 1.0), residual=res)
+    ref = mm.linear_reference(x, w, bias, activation="relu", activation_params=(0.2, 1.0), residual=res)
+    assert_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd.
+
+
+def test_gradcheck_float64():
+    epi = Epilogue(alpha=0.7, beta=0.5, bias="col", activation="gelu", residual=True)
+    a, b = randn(4, 5, dtype=torch.float64), randn(5, 3, dtype=torch.float64)
+    c, bias, res = (
+        randn(4, 3, dtype=torch.float64),
+        randn(3, dtype=torch.float64),
+        randn(4, 3, dtype=torch.float64),
+    )
+    inputs = tuple(t.requires_grad_(True) for t in (a, b, c, bias, res))
+    f = lambda a, b, c, bias, res: mm.matmul(a, b, epilogue=epi, c=c, bias=bias, residual=res)
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+    row = Epilogue(bias="row", activation="softplus")
+    g = lambda a, b, bias: mm.matmul(a, b, epilogue=row, bias=bias)
+    assert torch.autograd.gradcheck(
+        g,
+        (
+            inputs[0],
+            randn(2, 5, 3, dtype=torch.float64).requires_grad_(True),
+            randn(4, dtype=torch.float64).requires_grad_(True),
+        ),
+        fast_mode=True,
+    )
+
+
+def test_gradient_with_other_layouts():
+    """The output gradient arrives expanded (from .sum()) or transposed."""
+    a = randn(6, 9).requires_grad_(True)
+    b = randn(9, 70).requires_grad_(True)
+    bias = randn(70).requires_grad_(True)
+    epi = Epilogue(bias="col", activation="tanh")
+    weights = randn(70, 6).mT
+    for reduce in (lambda y: y.sum(), lambda y: (y * weights).sum()):
+        ours = torch.autograd.grad(reduce(mm.matmul(a, b, epilogue=epi, bias=bias)), (a, b, bias))
+        leaves = [t.detach().double().requires_grad_(True) for t in (a, b, bias)]
+        theirs = torch.autograd.grad(reduce(torch.tanh(leaves[0] @ leaves[1] + leaves[2])), leaves)
+        for g, g_ref in zip(ours, theirs):
+            assert_close(g, g_ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (Hopper).
+
+
+@pytest.mark.gpu_only(FP8_ON_GPU)
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float8_e4m3fn,) * 2, (torch.float8_e5m2,) * 2, (torch.float8_e4m3fn, torch.float8_e5m2)],
+    ids=str,
+)
+@pytest.mark.parametrize("mnk", [(64, 96, 128), (37, 50, 160), (1, 256, 512), (512, 512, 1024)], ids=str)
+def test_fp8_with_scales_and_amax(mnk, dtypes):
+    m, n, k = mnk
+    a = randn(m, k).to(dtypes[0])
+    b = randn(n, k).to(dtypes[1]).t()  # K-major B, as the fp8 tensor cores want it
+    sa, sb = torch.tensor(0.5, device=DEVICE), torch.tensor(2.0, device=DEVICE)
+    epi = Epilogue(bias="col", activation="gelu")
+    bias = randn(n, dtype=torch.bfloat16)
+    out, _, amax = mm.matmul(a, b, epilogue=epi, bias=bias, scale_a=sa, scale_b=sb, amax=True)
+    ref, _ = mm.matmul_reference(a, b, epilogue=epi, bias=bias, scale_a=sa, scale_b=sb)
+    assert out.dtype == torch.bfloat16
+    # The products of fp8 values are exact in fp32; the bf16 output rounding dominates.
+    assert_close(out, ref, ref.to(torch.bfloat16))
+    assert abs(float(amax) - float(out.float().abs().max())) <= 1e-2 * float(amax)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+
+F8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda: mm.matmul(randn(3, 4), randn(5, 6)),
+            ValueError,
+            "argument 'other' has shape .5, 6.*must equal",
+        ),
+        (
+            lambda: mm.matmul(randn(2, 3, 4), randn(3, 4, 6)),
+            ValueError,
+            "batch dimensions .* do not broadcast",
+        ),
+        (lambda: mm.matmul(randn(3, 4), randn(4, 5, dtype=torch.float16)), TypeError, "'other' has dtype"),
+        (lambda: mm.matmul(torch.ones(3, 4, dtype=torch.int32), randn(4, 5)), TypeError, "'input' has dtype"),
+        (lambda: mm.matmul(randn(3, 4).to(F8), randn(4, 5)), TypeError, "'other' has dtype torch.float32"),
+        (
+            lambda: mm.matmul(randn(3, 4).to(F8), randn(4, 5).to(F8)),
+            ValueError,
+            "'scale_a' is required for fp8",
+        ),
+        (
+            lambda: mm.matmul(randn(3, 4).to(F8), randn(4, 5).to(F8), scale_a=torch.ones((), device=DEVICE)),
+            ValueError,
+            "'scale_b' is required",
+        ),
+        (
+            lambda: mm.matmul(randn(3, 4), randn(4, 5), scale_a=randn(1)),
+            ValueError,
+            "'scale_a' applies to fp8",
+        ),
+        (
+            lambda: mm.matmul(torch.ones((), device=DEVICE), randn(4, 5)),
+            ValueError,
+            "'input' has 0 dimensions",
+        ),
+        (
+            lambda: mm.matmul(randn(3, 4), randn(4, 5), bias=randn(5)),
+            ValueError,
+            "'bias' must be given exactly",
+        ),
+        (
+            lambda: mm.matmul(randn(3, 4), randn(4, 5), epilogue=Epilogue(bias="row"), bias=randn(5)),
+            ValueError,
+            "'bias' has shape .5,.; a per-row bias needs .3,.",
+        ),
+        (lambda: mm.matmul(randn(3, 4), randn(4, 5), c=randn(3, 5)), ValueError, "'c' must be given exactly"),
+        (
+            lambda: mm.matmul(randn(3, 4), randn(4, 5), epilogue=Epilogue(beta=1.0), c=randn(2, 5)),
+            ValueError,
+            "'c' has shape .2, 5.; it must broadcast",
+        ),
+        (lambda: mm.matmul(randn(3, 4), randn(4, 5), epilogue="relu"), TypeError, "'epilogue' must be"),
+        (lambda: mm.matmul(randn(3, 4), randn(4, 5), out_dtype=torch.int8), TypeError, "'out_dtype'"),
+        (lambda: Epilogue(activation="swoosh"), ValueError, "'activation'='swoosh'"),
+        (lambda: Epilogue(bias="both"), ValueError, "'bias'='both'"),
+        (lambda: Epilogue(alpha=math.nan), ValueError, "'alpha'=nan must be finite"),
+        (lambda: Epilogue(activation_params=(1.0,)), ValueError, "'activation' is None"),
+        (lambda: mm.linear(randn(3, 4), randn(5, 6)), ValueError, "argument 'weight' has shape .5, 6."),
+        (
+            lambda: mm.linear(randn(3, 4), randn(5, 4), randn(4)),
+            ValueError,
+            "'bias' has shape .4,.; accepted: .5,.",
+        ),
+        (lambda: mm.matmul("a", randn(3)), TypeError, "must be a torch.Tensor"),
+        (
+            lambda: mm.matmul(
+                randn(3, 4).to(F8).requires_grad_(True),
+                randn(4, 5).to(F8),
+                scale_a=torch.ones((), device=DEVICE),
+                scale_b=torch.ones((), device=DEVICE),
+            ),
+            ValueError,
+            "fp8 operands have no backward",
+        ),
+    ],
+)
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the fp8 refusal is the interpreter's")
+def test_fp8_under_the_interpreter_is_not_supported():
+    a, b, s = randn(3, 4).to(F8), randn(4, 5).to(F8), torch.ones((), device=DEVICE)
+    with pytest.raises(tdnn.NotSupportedError, match="no fp8 arithmetic"):
+        mm.matmul(a, b, scale_a=s, scale_b=s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch.library boundary.
+
+
+def test_library_ops_pass_opcheck():
+    a, b, bias, res = randn(5, 7), randn(7, 6).mT.contiguous().mT, randn(6), randn(5, 6)
+    args = (a, b, randn(5, 6), bias, res, None, None, 1.5, 0.5, 1, 4, 0.0, 0.0, True, True, torch.float32)
+    torch.library.opcheck(mm._forward.op, args)
+    torch.library.opcheck(
+        mm._forward.op,
+        (
+            randn(2, 5, 7),
+            b,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1.0,
+            0.0,
+            0,
+            -1,
+            0.0,
+            0.0,
+            False,
+            False,
+            torch.float16,
+        ),
+    )
+    pre = randn(2, 5, 6)
+    torch.library.opcheck(mm._epilogue_backward.op, (randn(2, 5, 6), pre, 6, 1.0, 0.0, 2, torch.float32))
+    torch.library.opcheck(mm._epilogue_backward.op, (randn(5, 6), None, -1, 0.0, 0.0, 1, torch.float16))
+
+
+def test_torch_compile_fullgraph():
+    def f(x, w, bias, a, b):
+        h = mm.linear(x, w, bias, activation="gelu")
+        return (h * mm.matmul(a, b, epilogue=Epilogue(bias="row"), bias=bias[:3])).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    inputs = [randn(3, 8), randn(5, 8), randn(5), randn(3, 4), randn(4, 5)]
+    leaves = [t.requires_grad_(True) for t in inputs]
+    ours = torch.autograd.grad(compiled(*leaves), leaves)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    x, w, bias, a, b = leaves64
+    ref = (F.gelu(F.linear(x, w, bias)) * (a @ b + bias[:3, None])).sum()
+    for g, g_ref in zip(ours, torch.autograd.grad(ref, leaves64)):
+        assert_close(g, g_ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "mnk", [(4096, 4096, 4096), (1, 8192, 8192), (64, 8192, 8192), (256, 256, 16384)], ids=str
+)
+def test_large(mnk, dtype):
+    m, n, k = mnk
+    a, b = randn(m, k, dtype=dtype), randn(n, k, dtype=dtype).t()
+    out = mm.matmul(a, b)
+    assert_close(out, a.double() @ b.double(), a @ b)

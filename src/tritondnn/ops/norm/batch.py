@@ -362,7 +362,7 @@ class TiledEngine(Engine[BatchNormProblem]):
 
             def stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 dtype = _stats_dtype(x)
-                partial = torch.empty((splits, p.channels), dtype=dtype, device=x.device)
+                partial = x.new_empty((splits, p.channels), dtype=dtype)
                 partial_sq = torch.empty_like(partial)
                 run(x, shift, partial, partial_sq)
                 return partial, partial_sq
@@ -414,7 +414,7 @@ class TiledEngine(Engine[BatchNormProblem]):
         )
 
         def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
-            dsum = torch.empty((splits, p.channels), dtype=mean.dtype, device=x.device)
+            dsum = mean.new_empty((splits, p.channels))
             dxsum = torch.empty_like(dsum)
             reduce(dy, x, mean, rstd, w, b, dsum, dxsum, p0, p1)
             dsum, dxsum = dsum.sum(0), dxsum.sum(0)  # fixed order over the splits: deterministic
@@ -489,7 +489,7 @@ def _forward(
     """(y in x's layout, mean, 1/std per channel): batch statistics in training (the running ones
     updated in place if given), running statistics otherwise."""
     y = torch.empty_like(x)
-    mean = torch.empty(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+    mean = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel() == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
@@ -689,7 +689,7 @@ def batch_norm_apply(
     momentum = check_float(op, "momentum", momentum)
     y = torch.empty_like(input)
     x, y = dense_ncs(input, y)
-    mean = torch.empty(x.shape[1], dtype=_stats_dtype(x), device=x.device)
+    mean = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel():
         sums, sums_sq = (t.to(mean.dtype).reshape(1, -1).contiguous() for t in (sum, sum_sq))

@@ -101,3 +101,14 @@ def param_grads(
     dw = torch.empty_like(weight) if need_dw else x.new_empty(0)
     db = torch.empty_like(bias) if need_db else x.new_empty(0)
     return dw, db
+
+
+def sum_rows(partial: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (any shape of ``partial.shape[1]`` elements) = the sum of ``partial``'s rows, the
+    second stage of the parameter-gradient reductions: one fixed-order reduction, so the same bits
+    on every run; written in place when the dtypes agree (one kernel instead of two)."""
+    flat = out.view(-1)
+    if out.dtype == partial.dtype:
+        torch.sum(partial, 0, out=flat)
+    else:
+        flat.copy_(partial.sum(0))

@@ -36,6 +36,7 @@ from .common import (
     in_layout,
     ncs_layout,
     param_grads,
+    sum_rows,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -328,13 +329,12 @@ class _GroupEngine(Engine[GroupNormProblem]):
 
         def backward(dy, x, w, b, mean, rstd, dx, dw, db, p0, p1) -> None:
             # Per-(n, channel) partial sums, then a fixed-order sum over n: deterministic.
-            dw_nc = torch.empty((p.n, p.channels), dtype=mean.dtype, device=x.device) if p.need_dw else x
-            db_nc = torch.empty((p.n, p.channels), dtype=mean.dtype, device=x.device) if p.need_db else x
+            dw_nc = mean.new_empty((p.n, p.channels)) if p.need_dw else x
+            db_nc = mean.new_empty((p.n, p.channels)) if p.need_db else x
             run(dy, x, w, b, mean, rstd, dx, dw_nc, db_nc, p0, p1)
-            if p.need_dw:
-                dw.copy_(dw_nc.sum(0))
-            if p.need_db:
-                db.copy_(db_nc.sum(0))
+            for need, part, out in ((p.need_dw, dw_nc, dw), (p.need_db, db_nc, db)):
+                if need:
+                    sum_rows(part, out)
 
         return backward
 
@@ -417,7 +417,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y in x's layout, mean and 1/std per (n, group))."""
     y = torch.empty_like(x)
-    mean = torch.empty(x.shape[0] * groups, dtype=_stats_dtype(x), device=x.device)
+    mean = x.new_empty(x.shape[0] * groups, dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel() == 0:
         return y, mean, rstd

@@ -33,6 +33,7 @@ from .common import (
     dtype_name,
     param_grads,
     rows_view,
+    sum_rows,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -415,17 +416,17 @@ class _RowEngine(Engine[LayerNormProblem]):
             num_warps=warps,
         )
         # The looped kernel accumulates into its partial rows, so they start at zero.
-        alloc = torch.empty if self.one_block else torch.zeros
+        shape = (programs, p.n_cols)
 
         def backward(dy, x, w, b, mean, rstd, dsum, dx, dw, db, p0, p1) -> None:
-            dw_part = alloc((programs, p.n_cols), dtype=mean.dtype, device=x.device) if p.need_dw else x
-            db_part = alloc((programs, p.n_cols), dtype=mean.dtype, device=x.device) if p.need_db else x
+            alloc = mean.new_empty if self.one_block else mean.new_zeros
+            dw_part = alloc(shape) if p.need_dw else x
+            db_part = alloc(shape) if p.need_db else x
             run(dy, x, w, b, mean, rstd, dsum, dx, dw_part, db_part, p0, p1)
             # Second stage: one fixed-order sum over the programs' partials (deterministic).
-            if p.need_dw:
-                dw.view(-1).copy_(dw_part.sum(0))
-            if p.need_db:
-                db.view(-1).copy_(db_part.sum(0))
+            for need, part, out in ((p.need_dw, dw_part, dw), (p.need_db, db_part, db)):
+                if need:
+                    sum_rows(part, out)
 
         return backward
 
@@ -518,9 +519,9 @@ def _forward(
     """(y, x + residual or an empty tensor, mean, 1/std): y and the sum are contiguous."""
     x2 = rows_view(x, n_cols)
     n_rows = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     total = torch.empty_like(y) if residual is not None else _empty(x)
-    mean = torch.empty(n_rows, dtype=_stats_dtype(x), device=x.device)
+    mean = x.new_empty(n_rows, dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel() == 0:
         return y, total, mean, rstd
@@ -582,7 +583,7 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty, dbias or empty); ``x`` is what was normalized, ``dsum`` the
     gradient of the fused add's sum (added to dx)."""
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dw, db = param_grads(x, weight, bias, need_dw, need_db)
     if x.numel() == 0:
         dw.zero_()

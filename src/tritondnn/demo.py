@@ -21,7 +21,7 @@ from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
 from .ops import matmul as mm
-from .ops import norm
+from .ops import norm, pool
 from .ops import softmax as sm
 
 # name: (tritondnn, PyTorch); both are applied to the same input and differentiated.
@@ -48,6 +48,30 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
     "group_norm": (
         lambda x: norm.group_norm(x, math.gcd(8, x.shape[1])),
         lambda x: F.group_norm(x, math.gcd(8, x.shape[1])),
+    ),
+    "max_pool2d 3x3/2": (
+        lambda x: pool.max_pool2d(x.view(2, -1, 4, x.shape[1]), 3, 2, 1),
+        lambda x: F.max_pool2d(x.view(2, -1, 4, x.shape[1]), 3, 2, 1),
+    ),
+    "avg_pool2d 3x3/2": (
+        lambda x: pool.avg_pool2d(x.view(2, -1, 4, x.shape[1]), 3, 2, 1),
+        lambda x: F.avg_pool2d(x.view(2, -1, 4, x.shape[1]), 3, 2, 1),
+    ),
+    "adaptive_avg_pool2d": (
+        lambda x: pool.adaptive_avg_pool2d(x.view(2, -1, 4, x.shape[1]), 1),
+        lambda x: F.adaptive_avg_pool2d(x.view(2, -1, 4, x.shape[1]), 1),
+    ),
+    "local_response_norm": (
+        lambda x: pool.local_response_norm(x.view(2, -1, 4, x.shape[1]), 5),
+        lambda x: F.local_response_norm(x.view(2, -1, 4, x.shape[1]), 5),
+    ),
+    "bilinear x2": (
+        lambda x: pool.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2, mode="bilinear"),
+        lambda x: F.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2, mode="bilinear"),
+    ),
+    "nearest x2": (
+        lambda x: pool.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
+        lambda x: F.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
     ),
     "batch_norm train": (
         partial(norm.batch_norm, running_mean=None, running_var=None, training=True),

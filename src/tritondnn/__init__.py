@@ -21,6 +21,9 @@ from .ops.activation import (
     swish,
     tanh,
 )
+from .ops.attention import AttentionGrads, dropout_keep_mask, sdpa, sdpa_backward
+from .ops.ctc import ctc_loss
+from .ops.dropout import dropout, dropout_add
 from .ops.epilogue import Epilogue
 from .ops.matmul import MatmulOutput, linear, matmul
 from .ops.norm import (
@@ -50,11 +53,16 @@ from .ops.pool import (
     max_pool2d,
     max_pool3d,
 )
+from .ops.reduce import reduce_tensor
 from .ops.softmax import log_softmax, softmax
+from .ops.spatial import affine_grid, grid_sample
+from .ops.tensor_ops import op_tensor
+from .ops.transform import dequantize_fp8, quantize_fp8, transform_tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionGrads",
     "EngineReport",
     "Epilogue",
     "MatmulOutput",
@@ -68,6 +76,7 @@ __all__ = [
     "adaptive_max_pool3d",
     "add_layer_norm",
     "add_rms_norm",
+    "affine_grid",
     "avg_pool1d",
     "avg_pool2d",
     "avg_pool3d",
@@ -76,9 +85,15 @@ __all__ = [
     "batch_norm_apply",
     "batch_norm_stats",
     "config",
+    "ctc_loss",
+    "dequantize_fp8",
+    "dropout",
+    "dropout_add",
+    "dropout_keep_mask",
     "elu",
     "engines",
     "gelu",
+    "grid_sample",
     "group_norm",
     "instance_norm",
     "interpolate",
@@ -91,12 +106,18 @@ __all__ = [
     "max_pool1d",
     "max_pool2d",
     "max_pool3d",
+    "op_tensor",
+    "quantize_fp8",
+    "reduce_tensor",
     "relu",
     "rms_norm",
+    "sdpa",
+    "sdpa_backward",
     "sigmoid",
     "silu",
     "softmax",
     "softplus",
     "swish",
     "tanh",
+    "transform_tensor",
 ]

@@ -8,6 +8,7 @@ is non-zero if any check fails.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from functools import partial
@@ -20,9 +21,38 @@ from .core.accuracy import check
 from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
+from .ops import attention as att
+from .ops import ctc, norm, pool, spatial
+from .ops import dropout as dr
 from .ops import matmul as mm
-from .ops import norm, pool
+from .ops import reduce as rd
 from .ops import softmax as sm
+from .ops import tensor_ops as to
+from .ops import transform as tf
+
+
+@functools.cache
+def _keep_mask(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """dropout(p=0.1, seed=0)'s keep-mask from the plain-PyTorch Philox (once per shape: it is slow)."""
+    return dr.dropout_mask_reference(shape, 0.1, 0).to(device)
+
+
+def _grid(x: torch.Tensor) -> torch.Tensor:
+    theta = torch.tensor([[[0.9, 0.1, 0.05], [-0.1, 0.8, 0.0]]], device=x.device, dtype=x.dtype)
+    return F.affine_grid(theta, [1, 1, 32, 64], align_corners=False)
+
+
+def _qkv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) of shape (1, 8 heads, 64 positions, 32) from the first 64x256 block of x."""
+    q = x[:64, :256].reshape(1, 64, 8, 32).transpose(1, 2)
+    return q, q.flip(2), q
+
+
+def _ctc_args(x: torch.Tensor) -> tuple:
+    """(log-probabilities (T=64, N=1, 257 classes) from x in fp32, targets, input and target lengths)."""
+    log_probs = x[:64, :257].float().reshape(64, 1, 257).log_softmax(-1)
+    return log_probs, torch.arange(1, 11, device=x.device).view(1, 10), [64], [10]
+
 
 # name: (tritondnn, PyTorch); both are applied to the same input and differentiated.
 PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
@@ -73,6 +103,26 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
         lambda x: pool.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
         lambda x: F.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
     ),
+    "sdpa (causal)": (
+        lambda x: att.sdpa(*_qkv(x), is_causal=True),
+        lambda x: F.scaled_dot_product_attention(*_qkv(x), is_causal=True),
+    ),
+    "dropout (seed=0)": (
+        lambda x: dr.dropout(x, 0.1, seed=0),
+        lambda x: x * _keep_mask(tuple(x.shape), str(x.device)) / 0.9,
+    ),
+    "op_tensor mul": (lambda x: to.op_tensor(x, x[:1], "mul", alpha1=2.0), lambda x: 2 * x * x[:1]),
+    "reduce norm2": (lambda x: rd.reduce_tensor(x, "norm2", 1), lambda x: torch.linalg.vector_norm(x, 2, 1)),
+    "reduce max": (lambda x: rd.reduce_tensor(x, "max", 0), lambda x: x.amax(0)),
+    "transform pad": (
+        lambda x: tf.transform_tensor(x, alpha=0.5, pad=(1, 2)),
+        lambda x: F.pad(0.5 * x, (1, 2)),
+    ),
+    "grid_sample": (
+        lambda x: spatial.grid_sample(x[None, None], _grid(x)),
+        lambda x: F.grid_sample(x[None, None], _grid(x), align_corners=False),
+    ),
+    "ctc_loss": (lambda x: ctc.ctc_loss(*_ctc_args(x)), lambda x: F.ctc_loss(*_ctc_args(x))),
     "batch_norm train": (
         partial(norm.batch_norm, running_mean=None, running_var=None, training=True),
         partial(F.batch_norm, running_mean=None, running_var=None, training=True),

@@ -1,0 +1,894 @@
+"""Scaled dot-product attention (cuDNN's fused flash attention): ``sdpa`` and ``sdpa_backward``.
+
+``sdpa`` takes the arguments of ``F.scaled_dot_product_attention`` plus cuDNN's options as keywords
+(layouts, GQA, causal alignment, sliding windows, bias, ALiBi, soft-capping, sinks, variable
+lengths, paged KV caches, reproducible dropout, fp8, the log-sum-exp). Everything below reduces
+a call to BHSD strided views and an ``AttentionProblem``; the engines (``flash-fwd``,
+``split-kv-decode``, ``flash-bwd``, ``flash-bwd-atomic-dq``) run it. The module is thin: kernels
+live in ``forward``, ``backward`` and ``decode``, the meaning in ``reference``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ...core.backend import INTERPRET
+from ...core.checks import check_choice, check_float, check_tensor
+from ...core.config import config
+from ...core.engine import Engine, Family, LaunchConfig
+from ...core.library import custom_op
+from .backward import backward_configs, bind_backward
+from .common import AttentionProblem
+from .decode import bind_decode, decode_supported
+from .forward import bind_forward, dropout_mask, forward_configs
+from .reference import sdpa_reference
+
+__all__ = ["AttentionGrads", "dropout_keep_mask", "sdpa", "sdpa_backward", "sdpa_reference"]
+
+OP = "tdnn.sdpa"
+MAX_HEAD_DIM = 256
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = ("bhsd", "bshd")
+
+# ---------------------------------------------------------------------------------------------
+# Engines.
+
+
+def _describe(*args, **kwargs) -> AttentionProblem:
+    """The forward problem ``sdpa(*args, **kwargs)`` poses (for ``tdnn.engines("attention", ...)``)."""
+    call = _prepare(*args, **kwargs)
+    return _problem("fwd", call.tensors(), call.meta, call.bias_grad)
+
+
+FAMILY: Family[AttentionProblem] = Family("attention", _describe)
+
+
+def _common_reasons(p: AttentionProblem) -> list[str]:
+    reasons = []
+    if max(p.head_dim, p.head_dim_v) > MAX_HEAD_DIM:
+        reasons.append(f"head dims {p.head_dim}/{p.head_dim_v} exceed {MAX_HEAD_DIM}")
+    return reasons
+
+
+@FAMILY.register
+class FlashForward(Engine[AttentionProblem]):
+    """Query blocks in parallel, key blocks streamed through an online softmax (FlashAttention-2)."""
+
+    name = "flash-fwd"
+
+    def not_supported_reasons(self, p: AttentionProblem) -> list[str]:
+        if p.kind != "fwd":
+            return ["a forward engine"]
+        return _common_reasons(p)
+
+    def cost(self, p: AttentionProblem) -> float:
+        return 1.0
+
+    def configs(self, p: AttentionProblem) -> list[LaunchConfig]:
+        return forward_configs(p, INTERPRET)
+
+    def bind(self, p: AttentionProblem, config: LaunchConfig) -> Callable[..., None]:
+        return bind_forward(p, config)
+
+
+@FAMILY.register
+class SplitKVDecode(Engine[AttentionProblem]):
+    """Few queries (decode): the key range split over programs (flash-decoding), every query head
+    of a GQA group in one program so each key is read once, then a combine kernel."""
+
+    name = "split-kv-decode"
+
+    def not_supported_reasons(self, p: AttentionProblem) -> list[str]:
+        if p.kind != "fwd":
+            return ["a forward engine"]
+        return _common_reasons(p) + decode_supported(p)
+
+    def cost(self, p: AttentionProblem) -> float:
+        return 0.5
+
+    def configs(self, p: AttentionProblem) -> list[LaunchConfig]:
+        if INTERPRET:
+            return [{"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}]
+        return [
+            {"BLOCK_N": n, "num_warps": w, "num_stages": s}
+            for n, w, s in ((64, 4, 3), (128, 4, 2), (32, 4, 4))
+        ]
+
+    def bind(self, p: AttentionProblem, config: LaunchConfig) -> Callable[..., None]:
+        return bind_decode(p, config)
+
+
+class _Backward(Engine[AttentionProblem]):
+    atomic = False
+
+    def not_supported_reasons(self, p: AttentionProblem) -> list[str]:
+        if p.kind != "bwd":
+            return ["a backward engine"]
+        return _common_reasons(p)
+
+    def configs(self, p: AttentionProblem) -> list[LaunchConfig]:
+        return backward_configs(p, INTERPRET)
+
+    def bind(self, p: AttentionProblem, config: LaunchConfig) -> Callable[..., None]:
+        return bind_backward(p, config, self.atomic)
+
+
+@FAMILY.register
+class FlashBackward(_Backward):
+    """dK/dV per key block (a kv head's whole GQA group in one program) and dQ per query block:
+    no atomics, the same bits on every run."""
+
+    name = "flash-bwd"
+
+    def cost(self, p: AttentionProblem) -> float:
+        return 1.0
+
+
+@FAMILY.register
+class FlashBackwardAtomicDQ(_Backward):
+    """dQ added with fp32 atomics from the dK/dV kernel (no separate dQ pass); not deterministic."""
+
+    name = "flash-bwd-atomic-dq"
+    atomic = True
+
+    def not_supported_reasons(self, p: AttentionProblem) -> list[str]:
+        reasons = super().not_supported_reasons(p)
+        if p.deterministic:
+            reasons.append("tdnn.config.deterministic is set (fp32 atomics add in any order)")
+        return reasons
+
+    def cost(self, p: AttentionProblem) -> float:
+        # Measured choice left to benchmark mode: the split kernel costs ~1.4x the products but
+        # no atomic traffic; keep the deterministic one as the default.
+        return 1.2
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument processing: a call becomes BHSD views, option flags and an AttentionProblem.
+
+
+class _Meta(NamedTuple):
+    """The static options of a call, as ints (the custom ops' ``int[] meta``)."""
+
+    layout: int  # 0 bhsd, 1 bshd, 2 packed (total, heads, dim)
+    left: int
+    right: int
+    bottom_right: int
+    varlen: int
+    seqlen_q: int  # max over the batch for packed sequences
+    seqlen_kv: int
+    out_dtype: int  # index into OUT_DTYPES
+    squeeze: int  # 1: the inputs were 3-D (N, L, E) and got a head dim of 1
+
+
+class _Call(NamedTuple):
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    alibi: torch.Tensor | None
+    sinks: torch.Tensor | None
+    lens_q: torch.Tensor | None
+    lens_kv: torch.Tensor | None
+    block_table: torch.Tensor | None
+    rng: torch.Tensor | None
+    descale: torch.Tensor | None
+    scale: float
+    softcap: float
+    dropout_p: float
+    meta: _Meta
+    bias_grad: bool
+
+    def tensors(self) -> tuple:
+        return (
+            self.q, self.k, self.v, self.mask, self.bias, self.alibi, self.sinks, self.lens_q,
+            self.lens_kv, self.block_table, self.rng, self.descale,
+        )  # fmt: skip
+
+
+def _bhsd(t: torch.Tensor, layout: int) -> torch.Tensor:
+    """A BHSD view: bhsd as is, bshd transposed, packed (total, heads, dim) as (1, heads, total, dim)."""
+    if layout == 0:
+        return t
+    if layout == 1:
+        return t.transpose(1, 2)
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _kv_view(t: torch.Tensor, layout: int, paged: bool) -> torch.Tensor:
+    # A paged cache is (pages, page size, heads, dim): viewed as BHSD, its "batch" is the page.
+    return t.transpose(1, 2) if paged else _bhsd(t, layout)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride(d) if t.shape[d] != 1 else 0 for d in range(t.ndim))
+
+
+def _empty_out(q: torch.Tensor, last: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    """An output of q's shape with last dim ``last``, in q's memory order (a BSHD-in-memory query
+    gives a BSHD-in-memory output), the last dim innermost. ``zero``: zero-filled (packed
+    sequences: rows past the last offset belong to no sequence and are written by no kernel)."""
+    order = [*sorted(range(q.ndim - 1), key=lambda d: -q.stride(d)), q.ndim - 1]
+    shape = [*q.shape[:-1], last]
+    phys = (torch.zeros if zero else torch.empty)([shape[d] for d in order], dtype=dtype, device=q.device)
+    return phys.permute([order.index(d) for d in range(q.ndim)])
+
+
+def _lse_shape(q: torch.Tensor, meta: _Meta) -> tuple[int, ...]:
+    if meta.layout == 2:
+        return (q.shape[1], q.shape[0])
+    if meta.layout == 1:
+        return (q.shape[0], q.shape[2], q.shape[1])
+    return (q.shape[0], q.shape[1], q.shape[2])
+
+
+def _lse_view(lse: torch.Tensor, meta: _Meta) -> torch.Tensor:
+    """LSE as (batch, heads, rows) for the kernels (packed: batch stride 0)."""
+    return lse.unsqueeze(0) if meta.layout == 2 else lse
+
+
+def _problem(
+    kind: str, tensors: tuple, meta: _Meta, bias_grad: bool, views: dict | None = None
+) -> AttentionProblem:
+    q, k, v, mask, bias, alibi, sinks, lens_q, _, block_table, rng, _ = tensors
+    paged = block_table is not None
+    q4, k4, v4 = _bhsd(q, meta.layout), _kv_view(k, meta.layout, paged), _kv_view(v, meta.layout, paged)
+    views = dict(views or {})
+    views.setdefault("q", q4)
+    views.setdefault("k", k4)
+    views.setdefault("v", v4)
+    if "o" not in views:
+        views["o"] = _empty_out(q4, v4.shape[-1], q.dtype) if q4.dtype in OUT_DTYPES else q4
+    if "lse" not in views:
+        views["lse"] = _lse_view(torch.empty(_lse_shape(q, meta)), meta)
+    strides = {n: _strides(t) for n, t in views.items()}
+    strides["lse"] = tuple(views["lse"].stride())
+    if meta.layout == 2:
+        strides["lse"] = (0, *strides["lse"][1:])
+        for n in strides:
+            if n != "lse" and not (paged and n in ("k", "v", "dk", "dv")):
+                strides[n] = (0, *strides[n][1:])
+    batch = q4.shape[0] if meta.layout != 2 else lens_q.shape[0] - 1
+    hq, d = q4.shape[1], q4.shape[-1]
+    hkv, dv = k4.shape[1], v4.shape[-1]
+    page = k.shape[1] if paged else 0
+    mask4 = _broadcast(mask, batch, hq, meta) if mask is not None else None
+    bias4 = _broadcast(bias, batch, hq, meta) if bias is not None else None
+    reach = max(
+        (t.shape[0] - 1) * abs(t.stride(0))
+        + sum((n - 1) * abs(s) for n, s in zip(t.shape[1:], t.stride()[1:]))
+        for t in views.values()
+        if t.numel()
+    )
+    return AttentionProblem(
+        kind=kind,
+        batch=batch,
+        heads_q=hq,
+        heads_kv=hkv,
+        seqlen_q=meta.seqlen_q,
+        seqlen_kv=meta.seqlen_kv,
+        head_dim=d,
+        head_dim_v=dv,
+        dtype=str(q.dtype).removeprefix("torch."),
+        out_dtype=str(OUT_DTYPES[meta.out_dtype]).removeprefix("torch."),
+        strides=tuple(sorted(strides.items())),
+        window=(meta.left, meta.right),
+        bottom_right=bool(meta.bottom_right),
+        mask=_strides(mask4) if mask4 is not None else None,
+        bias=_strides(bias4) if bias4 is not None else None,
+        bias_grad=bias_grad,
+        alibi=(alibi.stride(0) if alibi.ndim == 2 else 0) if alibi is not None else None,
+        softcap=False,  # filled by the caller (a float decides the flag)
+        sinks=sinks is not None,
+        varlen=meta.varlen,
+        page=page,
+        block_table_stride=block_table.stride(0) if paged else 0,
+        dropout=rng is not None,
+        fp8=q.dtype == torch.float8_e4m3fn,
+        tf32=config.allow_tf32,
+        deterministic=config.deterministic,
+        index_64=reach >= 2**31 - 1,
+    )
+
+
+def _broadcast(t: torch.Tensor, batch: int, hq: int, meta: _Meta) -> torch.Tensor:
+    return t.expand(batch, hq, meta.seqlen_q, meta.seqlen_kv)
+
+
+# Per-call plans: a repeat call with the same geometry costs one dictionary lookup.
+_plans: dict[tuple, Callable] = {}
+
+
+def _plan(kind: str, tensors: tuple, meta: _Meta, bias_grad: bool, softcap: bool, views: dict) -> Callable:
+    key = (
+        kind,
+        config.version,
+        meta,
+        bias_grad,
+        softcap,
+        *((tuple(t.shape), t.stride(), t.dtype) if t is not None else None for t in tensors),
+        *((n, tuple(t.shape), t.stride()) for n, t in views.items()),
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        import dataclasses
+
+        problem = dataclasses.replace(_problem(kind, tensors, meta, bias_grad, views), softcap=softcap)
+        choice = FAMILY.select(problem)
+        plan = _plans[key] = choice.engine.bind(problem, choice.config)
+    return plan
+
+
+def _floats(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_scale) of the kernels: log2(e) is folded into the scale (or the cap)."""
+    if softcap > 0:
+        return scale / softcap, softcap * math.log2(math.e)
+    return scale * math.log2(math.e), 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops.
+
+_FWD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? bias, Tensor? alibi, Tensor? sinks, "
+    "Tensor? lens_q, Tensor? lens_kv, Tensor? block_table, Tensor? rng, Tensor? descale, float scale, "
+    "float softcap, float dropout_p, int[] meta) -> (Tensor, Tensor)"
+)
+
+
+def _fake_forward(q, k, v, mask, bias, alibi, sinks, lens_q, lens_kv, block_table, rng, descale,
+                  scale, softcap, dropout_p, meta):  # fmt: skip
+    meta = _Meta(*meta)
+    out = _empty_out(q, v.shape[-1], OUT_DTYPES[meta.out_dtype])
+    return out, q.new_empty(_lse_shape(q, meta), dtype=torch.float32)
+
+
+@custom_op("attention_forward", _FWD_SCHEMA, _fake_forward)
+def _forward(q, k, v, mask, bias, alibi, sinks, lens_q, lens_kv, block_table, rng, descale,
+             scale, softcap, dropout_p, meta):  # fmt: skip
+    """(output in q's layout, fp32 log-sum-exp)."""
+    meta = _Meta(*meta)
+    tensors = (q, k, v, mask, bias, alibi, sinks, lens_q, lens_kv, block_table, rng, descale)
+    packed = meta.layout == 2
+    out = _empty_out(q, v.shape[-1], OUT_DTYPES[meta.out_dtype], zero=packed)
+    lse = (torch.full if packed else torch.empty)(
+        _lse_shape(q, meta), *((-math.inf,) if packed else ()), dtype=torch.float32, device=q.device
+    )
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if k.shape[0] == 0 or meta.seqlen_kv == 0 or q.shape[-1] == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        if sinks is not None and lse.numel():
+            lse.copy_(
+                sinks.float()[:, None] if meta.layout == 2 else sinks.float()[None, :, None].expand_as(lse)
+            )
+        return out, lse
+    paged = block_table is not None
+    views = {"o": _bhsd(out, meta.layout), "lse": _lse_view(lse, meta)}
+    plan = _plan("fwd", tensors, meta, False, softcap > 0, views)
+    q4, k4, v4 = _bhsd(q, meta.layout), _kv_view(k, meta.layout, paged), _kv_view(v, meta.layout, paged)
+    batch = q4.shape[0] if meta.layout != 2 else lens_q.shape[0] - 1
+    mask4 = _broadcast(mask, batch, q4.shape[1], meta) if mask is not None else q4
+    bias4 = _broadcast(bias, batch, q4.shape[1], meta) if bias is not None else q4
+    qk_scale, cap_scale = _floats(scale, softcap)
+    absent = q4
+    plan(
+        q4, k4, v4, views["o"], views["lse"], mask4, bias4,
+        *(t if t is not None else absent for t in (alibi, sinks, lens_q, lens_kv, block_table, rng, descale)),
+        qk_scale, cap_scale, dropout_p,
+    )  # fmt: skip
+    return out, lse
+
+
+_BWD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? mask, Tensor? bias, "
+    "Tensor? alibi, Tensor? sinks, Tensor? lens_q, Tensor? lens_kv, Tensor? rng, float scale, "
+    "float softcap, float dropout_p, int[] meta, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _grad_buffers(q, k, v, mask, bias, sinks, meta, bias_grad):
+    packed = meta.layout == 2
+    dq = _empty_out(q, q.shape[-1], q.dtype, zero=packed)
+    dk = _empty_out(k, k.shape[-1], k.dtype, zero=packed)
+    dv = _empty_out(v, v.shape[-1], v.dtype, zero=packed)
+    if bias_grad:
+        q4 = _bhsd(q, meta.layout)
+        dbias = torch.zeros(q4.shape[0], q4.shape[1], meta.seqlen_q, meta.seqlen_kv, device=q.device)
+    else:
+        dbias = q.new_empty(0, dtype=torch.float32)
+    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _fake_backward(do, q, k, v, o, lse, mask, bias, alibi, sinks, lens_q, lens_kv, rng, scale, softcap,
+                   dropout_p, meta, bias_grad):  # fmt: skip
+    return _grad_buffers(q, k, v, mask, bias, sinks, _Meta(*meta), bias_grad)
+
+
+@custom_op("attention_backward", _BWD_SCHEMA, _fake_backward)
+def _backward(do, q, k, v, o, lse, mask, bias, alibi, sinks, lens_q, lens_kv, rng, scale, softcap,
+              dropout_p, meta, bias_grad):  # fmt: skip
+    """(dq, dk, dv, dbias over the full [B, Hq, Sq, Skv] or empty, dsinks fp32 or empty)."""
+    meta = _Meta(*meta)
+    dq, dk, dv, dbias, dsinks = _grad_buffers(q, k, v, mask, bias, sinks, meta, bias_grad)
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        for t in (dq, dk, dv, dbias, dsinks):
+            t.zero_()
+        return dq, dk, dv, dbias, dsinks
+    lse = lse.contiguous()
+    views = {
+        "o": _bhsd(o, meta.layout),
+        "do": _bhsd(do, meta.layout),
+        "dq": _bhsd(dq, meta.layout),
+        "dk": _bhsd(dk, meta.layout),
+        "dv": _bhsd(dv, meta.layout),
+        "lse": _lse_view(lse, meta),
+    }
+    tensors = (q, k, v, mask, bias, alibi, sinks, lens_q, lens_kv, None, rng, None)
+    plan = _plan("bwd", tensors, meta, bias_grad, softcap > 0, views)
+    q4, k4, v4 = _bhsd(q, meta.layout), _bhsd(k, meta.layout), _bhsd(v, meta.layout)
+    batch = q4.shape[0] if meta.layout != 2 else lens_q.shape[0] - 1
+    mask4 = _broadcast(mask, batch, q4.shape[1], meta) if mask is not None else q4
+    bias4 = _broadcast(bias, batch, q4.shape[1], meta) if bias is not None else q4
+    qk_scale, cap_scale = _floats(scale, softcap)
+    absent = q4
+    dsink = plan(
+        q4, k4, v4, views["o"], views["do"], views["lse"], views["dq"], views["dk"], views["dv"],
+        dbias if bias_grad else absent, mask4, bias4,
+        *(t if t is not None else absent for t in (alibi, sinks, lens_q, lens_kv, rng)),
+        qk_scale, cap_scale, dropout_p, scale,
+    )  # fmt: skip
+    if dsink is not None:
+        dsinks.copy_(dsink.view(batch, q4.shape[1], -1).sum((0, 2)))
+    return dq, dk, dv, dbias, dsinks
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, call: _Call):
+        args = call._replace(q=q, k=k, v=v, bias=bias, sinks=sinks)
+        o, lse = _forward(*args.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
+        ctx.save_for_backward(q, k, v, o, lse, bias, sinks)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, bias, sinks = ctx.saved_tensors
+        c = ctx.call
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias, dsinks = _backward(
+            do.contiguous() if do.stride(-1) != 1 else do, q, k, v, o, lse, c.mask, bias, c.alibi, sinks,
+            c.lens_q, c.lens_kv, c.rng, c.scale, c.softcap, c.dropout_p, list(c.meta), bias_grad,
+        )  # fmt: skip
+        db = _reduce_bias(dbias, bias) if bias_grad else None
+        ds = dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, db, ds, None
+
+
+def _reduce_bias(full: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The full score gradient summed over the dims ``bias`` was broadcast along, in its shape."""
+    lead = full.ndim - bias.ndim
+    dims = list(range(lead)) + [
+        lead + d for d in range(bias.ndim) if bias.shape[d] == 1 and full.shape[lead + d] != 1
+    ]
+    out = full.sum(dims, keepdim=True) if dims else full
+    return out.reshape(bias.shape).to(bias.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation.
+
+
+def _lengths(op, name, t, batch, limit):
+    t = check_tensor(op, name, t, dtypes=(torch.int32, torch.int64), min_ndim=1, max_ndim=1)
+    if t.shape[0] != batch:
+        raise ValueError(
+            f"{op}: argument '{name}' has {t.shape[0]} entries; expected {batch} (one per batch)"
+        )
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > limit):
+        raise ValueError(
+            f"{op}: argument '{name}' has lengths outside [0, {limit}] (the tensor's sequence length)"
+        )
+    return t.to(torch.int32).contiguous()
+
+
+def _offsets(op, name, t, total):
+    t = check_tensor(op, name, t, dtypes=(torch.int32, torch.int64), min_ndim=1, max_ndim=1)
+    if t.shape[0] < 2:
+        raise ValueError(f"{op}: argument '{name}' needs at least 2 entries (cumulative offsets from 0)")
+    diff = t[1:] - t[:-1]
+    if int(t[0]) != 0 or bool((diff < 0).any()) or int(t[-1]) > total:
+        raise ValueError(
+            f"{op}: argument '{name}' must start at 0, not decrease, and end at most at {total} "
+            "(the packed length)"
+        )
+    return t.to(torch.int32).contiguous(), int(diff.max())
+
+
+def _broadcasts(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without growing it."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == target
+    except RuntimeError:
+        return False
+
+
+def _prepare(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+    layout="bhsd", causal_alignment="top_left", window=None, bias=None, alibi_slopes=None, softcap=None,
+    sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, block_table=None,
+    dropout_seed=None, dropout_offset=0, descale_q=None, descale_k=None, descale_v=None, out_dtype=None,
+    op=OP,
+) -> _Call:  # fmt: skip
+    q = check_tensor(op, "query", query, dtypes=INPUT_DTYPES)
+    k = check_tensor(op, "key", key, dtypes=INPUT_DTYPES)
+    v = check_tensor(op, "value", value, dtypes=INPUT_DTYPES)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{op}: query, key and value must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{op}: query, key and value must be on one device; got {q.device}, {k.device}, {v.device}"
+        )
+    check_choice(op, "layout", layout, LAYOUTS)
+    check_choice(op, "causal_alignment", causal_alignment, ("top_left", "bottom_right"))
+    packed = cu_seqlens_q is not None or cu_seqlens_kv is not None
+    paged = block_table is not None
+    squeeze = 0
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError(f"{op}: packed sequences need both 'cu_seqlens_q' and 'cu_seqlens_kv'")
+        if paged or seqlens_q is not None or seqlens_kv is not None:
+            raise ValueError(f"{op}: 'cu_seqlens_*' cannot be combined with 'seqlens_*' or 'block_table'")
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if t.ndim != 3:
+                raise ValueError(
+                    f"{op}: packed '{name}' must be (total, heads, dim); got shape {tuple(t.shape)}"
+                )
+        lay = 2
+    else:
+        if q.ndim == 3 and k.ndim == 3 and v.ndim == 3 and layout == "bhsd" and not paged:
+            q, k, v, squeeze = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 1
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            if t.ndim != 4:
+                raise ValueError(
+                    f"{op}: argument '{name}' has {t.ndim} dimensions; accepted: 4 ({layout.upper()})"
+                )
+        lay = LAYOUTS.index(layout)
+    q4 = _bhsd(q, lay)
+    k4, v4 = _kv_view(k, lay, paged), _kv_view(v, lay, paged)
+    b, hq, sq, d = q4.shape
+    hkv, skv, dv = k4.shape[1], k4.shape[2], v4.shape[-1]
+    if k4.shape[:3] != v4.shape[:3]:
+        raise ValueError(
+            f"{op}: key {tuple(k.shape)} and value {tuple(v.shape)} differ in more than the head dim"
+        )
+    if k4.shape[-1] != d:
+        raise ValueError(f"{op}: query head dim {d} != key head dim {k4.shape[-1]}")
+    if not paged and lay != 2 and k4.shape[0] != b:
+        raise ValueError(f"{op}: query batch {b} != key/value batch {k4.shape[0]}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(
+            f"{op}: query has {hq} heads but key/value {hkv}; pass enable_gqa=True for grouped-query "
+            "attention"
+        )
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dims {d}/{dv} are not supported; accepted: 1..{MAX_HEAD_DIM}")
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8 else q.dtype
+    if out_dtype not in OUT_DTYPES or (not fp8 and out_dtype != q.dtype):
+        raise TypeError(f"{op}: out_dtype={out_dtype} is not accepted for {q.dtype} inputs")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    scale = check_float(op, "scale", scale)
+    cap = 0.0 if softcap is None else check_float(op, "softcap", softcap, positive=True)
+    dropout_p = check_float(op, "dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: argument 'dropout_p'={dropout_p} must be in [0, 1)")
+    left, right = -1, -1
+    if window is not None:
+        if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window):
+            raise ValueError(
+                f"{op}: argument 'window'={window!r} must be (left, right) ints >= -1 (-1 unbounded)"
+            )
+        left, right = window
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+
+    # Lengths.
+    lens_q = lens_kv = None
+    varlen = 0
+    if packed:
+        lens_q, max_q = _offsets(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        lens_kv, max_kv = _offsets(op, "cu_seqlens_kv", cu_seqlens_kv, k.shape[0])
+        if lens_q.shape != lens_kv.shape:
+            raise ValueError(f"{op}: 'cu_seqlens_q' and 'cu_seqlens_kv' must have the same length")
+        b, sq, skv, varlen = lens_q.shape[0] - 1, max_q, max_kv, 2
+    if paged:
+        bt = check_tensor(
+            op, "block_table", block_table, dtypes=(torch.int32, torch.int64), min_ndim=2, max_ndim=2
+        )
+        if bt.shape[0] != b:
+            raise ValueError(f"{op}: 'block_table' has {bt.shape[0]} rows; expected the batch {b}")
+        if bt.numel() and (int(bt.min()) < 0 or int(bt.max()) >= k.shape[0]):
+            raise ValueError(f"{op}: 'block_table' lists pages outside [0, {k.shape[0]})")
+        block_table = bt.to(torch.int32)
+        skv = bt.shape[1] * k.shape[1]
+        if seqlens_kv is None:
+            seqlens_kv = torch.full((b,), skv, dtype=torch.int32, device=q.device)
+    if not packed and (seqlens_q is not None or seqlens_kv is not None):
+        lens_q = _lengths(op, "seqlens_q", seqlens_q, b, sq) if seqlens_q is not None else None
+        lens_kv = _lengths(op, "seqlens_kv", seqlens_kv, b, skv) if seqlens_kv is not None else None
+        if lens_q is None:
+            lens_q = torch.full((b,), sq, dtype=torch.int32, device=q.device)
+        if lens_kv is None:
+            lens_kv = torch.full((b,), skv, dtype=torch.int32, device=q.device)
+        varlen = 1
+
+    # Masks and score terms.
+    mask = None
+    if attn_mask is not None:
+        attn_mask = check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, *OUT_DTYPES), max_ndim=4)
+        if packed:
+            raise ValueError(f"{op}: 'attn_mask' is not accepted with packed sequences (cu_seqlens)")
+        ok = _broadcasts(attn_mask.shape, (b, hq, sq, skv))
+        if not ok:
+            raise ValueError(
+                f"{op}: 'attn_mask' of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"{(b, hq, sq, skv)}"
+            )
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            if bias is not None:
+                raise ValueError(f"{op}: give one additive term: a float 'attn_mask' or 'bias', not both")
+            bias = attn_mask
+    if bias is not None:
+        bias = check_tensor(op, "bias", bias, dtypes=OUT_DTYPES, max_ndim=4)
+        if packed:
+            raise ValueError(f"{op}: 'bias' is not accepted with packed sequences (cu_seqlens)")
+        if not _broadcasts(bias.shape, (b, hq, sq, skv)):
+            raise ValueError(
+                f"{op}: 'bias' of shape {tuple(bias.shape)} does not broadcast to {(b, hq, sq, skv)}"
+            )
+        if bias.ndim < 4:
+            bias = bias.view(*([1] * (4 - bias.ndim)), *bias.shape)
+    if mask is not None and mask.ndim < 4:
+        mask = mask.view(*([1] * (4 - mask.ndim)), *mask.shape)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = check_tensor(
+            op, "alibi_slopes", alibi_slopes, dtypes=(torch.float32,), min_ndim=1, max_ndim=2
+        )
+        if alibi.shape not in ((hq,), (b, hq)):
+            raise ValueError(
+                f"{op}: 'alibi_slopes' of shape {tuple(alibi.shape)}; accepted: ({hq},) or ({b}, {hq})"
+            )
+        if alibi.stride(-1) != 1:
+            alibi = alibi.contiguous()
+    if sinks is not None:
+        sinks = check_tensor(op, "sinks", sinks, dtypes=OUT_DTYPES, min_ndim=1, max_ndim=1)
+        if sinks.shape != (hq,):
+            raise ValueError(
+                f"{op}: 'sinks' of shape {tuple(sinks.shape)}; expected ({hq},) (one per query head)"
+            )
+        if sinks.stride(0) != 1:
+            sinks = sinks.contiguous()
+
+    rng = None
+    if dropout_p > 0:
+        if dropout_seed is None:
+            dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+        rng = torch.tensor([int(dropout_seed), int(dropout_offset)], dtype=torch.int64, device=q.device)
+    descale = None
+    if fp8:
+        if INTERPRET:
+            raise TypeError(f"{op}: fp8 attention needs a GPU (Triton's interpreter has no fp8)")
+        if mask is not None or bias is not None or dropout_p > 0 or softcap is not None:
+            raise ValueError(f"{op}: fp8 inputs support no mask, bias, dropout or soft-capping")
+        vals = [1.0 if x is None else x for x in (descale_q, descale_k, descale_v)]
+        descale = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float32, device=q.device).reshape(()) for x in vals]
+        )
+    elif any(x is not None for x in (descale_q, descale_k, descale_v)):
+        raise ValueError(f"{op}: descale factors apply to fp8 inputs only")
+    meta = _Meta(lay, left, right, int(causal_alignment == "bottom_right"), varlen, sq, skv,
+                 OUT_DTYPES.index(out_dtype), squeeze)  # fmt: skip
+    return _Call(q, k, v, mask, bias, alibi, sinks, lens_q, lens_kv, block_table, rng, descale,
+                 scale, cap, dropout_p, meta, False)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions.
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: str = "bhsd",
+    causal_alignment: str = "top_left",
+    window: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    seqlens_q: torch.Tensor | None = None,
+    seqlens_kv: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    dropout_seed: int | None = None,
+    dropout_offset: int = 0,
+    descale_q: float | torch.Tensor | None = None,
+    descale_k: float | torch.Tensor | None = None,
+    descale_v: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``F.scaled_dot_product_attention`` as a flash-attention kernel, with cuDNN's options.
+
+    ``softmax(scale * q @ k^T + bias) @ v`` without materializing the Sq x Skv scores (memory
+    O(B * H * S * D)); differentiable in query, key, value, a float ``attn_mask``/``bias`` and
+    ``sinks``.
+
+    Args:
+        query, key, value: fp16, bf16, fp32 (or fp8 e4m3 on a GPU), any strides. ``layout="bhsd"``:
+            (B, H, S, D), as PyTorch (3-D (N, L, E) inputs are taken as one head);
+            ``layout="bshd"``: (B, S, H, D). Head dims up to 256; value's may differ from query's.
+            Packed sequences (``cu_seqlens_*``): (total, H, D). Paged cache (``block_table``): key
+            and value are (pages, page_size, Hkv, D).
+        attn_mask: bool (True = attend) or float (added to the scores, like ``bias``), broadcastable
+            to (B, Hq, Sq, Skv).
+        dropout_p: probability of zeroing an attention weight (kept ones scaled by 1/(1-p)); the
+            Philox stream is ``dropout_seed``/``dropout_offset`` (a fresh seed from torch's
+            generator when None), replayed exactly by the backward and by ``dropout_keep_mask``.
+        is_causal: query i sees keys j <= i (``causal_alignment="top_left"``, PyTorch's) or
+            j <= i + Skv - Sq (``"bottom_right"``, for a query block at the end of the keys).
+        scale: the scores' factor, 1/sqrt(D) by default.
+        enable_gqa: allow fewer key/value heads than query heads (a divisor): query head h reads kv
+            head h // (Hq // Hkv), with no copy of key/value.
+        window: (left, right) sliding window around the (aligned) diagonal: i + diag - left <= j <=
+            i + diag + right, -1 unbounded; combines with ``is_causal`` (right <= 0).
+        bias: an additive float term broadcastable to (B, Hq, Sq, Skv); its gradient is reduced over
+            the broadcast dims.
+        alibi_slopes: fp32 (Hq,) or (B, Hq): adds -slope * |i + diag - j|.
+        softcap: the scores become softcap * tanh(scores / softcap) (before bias and masks).
+        sinks: (Hq,) logits that join every softmax denominator (attention sinks), differentiable.
+        seqlens_q, seqlens_kv: int (B,) valid lengths of padded tensors; output rows past a length
+            are 0 and alignment uses each batch's lengths.
+        cu_seqlens_q, cu_seqlens_kv: int (B + 1,) cumulative offsets of packed sequences.
+        block_table: int (B, pages_per_seq) page indices of a paged KV cache (forward only);
+            ``seqlens_kv`` gives each sequence's cached length (the table's capacity by default).
+        descale_q, descale_k, descale_v: fp8 dequantization factors (floats or 1-element tensors).
+        out_dtype: the output dtype for fp8 inputs (bf16 by default); others return their own.
+        return_lse: also return the fp32 log-sum-exp of each row's scores ((B, Hq, Sq); packed:
+            (Hq, total)), -inf for a row that sees no key.
+
+    Numerics: fp32 accumulation, online softmax with exp2; a row that sees no key gives zeros (not
+    NaN) and zero gradients. Validating lengths, offsets and block tables reads them on the host.
+
+    Raises:
+        TypeError: unsupported or mismatched dtypes.
+        ValueError: mismatched shapes, heads not a multiple, a mask or bias that does not
+            broadcast, lengths outside the tensors, bad options.
+    """
+    call = _prepare(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout=layout,
+        causal_alignment=causal_alignment, window=window, bias=bias, alibi_slopes=alibi_slopes,
+        softcap=softcap, sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv, block_table=block_table, dropout_seed=dropout_seed,
+        dropout_offset=dropout_offset, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+        out_dtype=out_dtype,
+    )  # fmt: skip
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.bias, call.sinks)
+    )
+    if grads:
+        if call.block_table is not None:
+            raise ValueError(
+                f"{OP}: a paged KV cache (block_table) is forward-only; gradients are not supported"
+            )
+        if call.descale is not None:
+            raise ValueError(f"{OP}: fp8 attention is forward-only")
+        o, lse = _AttentionFunction.apply(call.q, call.k, call.v, call.bias, call.sinks, call)
+    else:
+        o, lse = _forward(*call.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
+    if call.meta.squeeze:
+        o = o.squeeze(1)
+        lse = lse.squeeze(1)
+    return (o, lse) if return_lse else o
+
+
+class AttentionGrads(NamedTuple):
+    """Gradients from ``sdpa_backward``: dbias (in the bias's shape) and dsinks are None when not asked."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dbias: torch.Tensor | None
+    dsinks: torch.Tensor | None
+
+
+def sdpa_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **options,
+) -> AttentionGrads:
+    """cuDNN's sdpa_backward: gradients of ``sdpa`` from its output, the output's gradient and the
+    log-sum-exp ``sdpa(..., return_lse=True)`` returned. Takes the forward's arguments (the same
+    ``dropout_seed``/``dropout_offset`` replay its dropout; ``bias``/a float ``attn_mask`` gets
+    ``dbias``, ``sinks`` gets ``dsinks``).
+
+    The default engine is deterministic (dK/dV of each kv head summed in one program in a fixed
+    order, dQ in a separate pass); with ``tdnn.config.benchmark`` an fp32-atomic dQ engine may be
+    timed and chosen unless ``tdnn.config.deterministic`` is set.
+    """
+    op = "tdnn.sdpa_backward"
+    call = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, op=op, **options)
+    if call.block_table is not None or call.descale is not None:
+        raise ValueError("tdnn.sdpa_backward: paged KV caches and fp8 are forward-only")
+    q, meta = call.q, call.meta
+    o = out.unsqueeze(1) if meta.squeeze else out
+    do = grad_out.unsqueeze(1) if meta.squeeze else grad_out
+    lse = lse.unsqueeze(1) if meta.squeeze else lse
+    expect = (*q.shape[:-1], call.v.shape[-1])
+    for name, t in (("out", o), ("grad_out", do)):
+        check_tensor("tdnn.sdpa_backward", name, t, dtypes=OUT_DTYPES)
+        if tuple(t.shape) != expect:
+            raise ValueError(f"tdnn.sdpa_backward: '{name}' has shape {tuple(t.shape)}; expected {expect}")
+    check_tensor("tdnn.sdpa_backward", "lse", lse, dtypes=(torch.float32,))
+    if tuple(lse.shape) != _lse_shape(q, meta):
+        raise ValueError(
+            f"tdnn.sdpa_backward: 'lse' has shape {tuple(lse.shape)}; expected {_lse_shape(q, meta)}"
+        )
+    bias_grad = call.bias is not None
+    dq, dk, dv, dbias, dsinks = _backward(
+        do, q, call.k, call.v, o, lse, call.mask, call.bias, call.alibi, call.sinks, call.lens_q,
+        call.lens_kv, call.rng, call.scale, call.softcap, call.dropout_p, list(meta), bias_grad,
+    )  # fmt: skip
+    if meta.squeeze:
+        dq, dk, dv = dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
+    db = None
+    if bias_grad:
+        original = options.get("bias")
+        original = original if original is not None else attn_mask
+        db = _reduce_bias(dbias, call.bias).reshape(original.shape)
+    return AttentionGrads(dq, dk, dv, db, dsinks.to(call.sinks.dtype) if call.sinks is not None else None)
+
+
+def dropout_keep_mask(
+    batch: int, heads: int, seqlen_q: int, seqlen_kv: int, dropout_p: float, seed: int, offset: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The (batch, heads, seqlen_q, seqlen_kv) bool mask of attention weights ``sdpa`` keeps for
+    ``dropout_p``, ``dropout_seed=seed`` and ``dropout_offset=offset`` (padded lengths; for packed
+    sequences use the max lengths and each sequence's index as the batch)."""
+    return dropout_mask(batch, heads, seqlen_q, seqlen_kv, dropout_p, seed, offset, device)

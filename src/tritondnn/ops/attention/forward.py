@@ -1,0 +1,300 @@
+"""Flash-attention forward: one program per (query block, batch * query head), streaming key/value
+blocks through an online softmax in registers, so memory is O(B * H * S * D) and nothing of size
+Sq x Skv is ever stored.
+
+Kernel arguments (conventions in ``common``):
+
+* Tensors: ``Q, K, V, O`` (BHSD strides), ``LSE`` [B, Hq, Sq] fp32 (strides ``slb, slh, sls``),
+  ``MASK`` (bool, strides ``sm*``), ``BIAS`` (strides ``sb*``), ``ALIBI`` slopes (``sab`` batch
+  stride, 1 per head), ``SINKS`` [Hq], ``LENS_Q/LENS_KV`` (int32 lengths or cumulative offsets),
+  ``BT`` block table (``btb`` batch stride), ``RNG`` int64 [seed, offset], ``DESCALE`` fp32 [3]
+  (fp8 q, k, v descales). Absent tensors are passed as ``Q`` and never read.
+* Floats: ``qk_scale`` (log2 e * scale, or scale / cap with soft-capping), ``cap_scale``
+  (cap * log2 e), ``dropout_p``.
+* Ints: the max lengths, Hq and the GQA group size (query heads per kv head), strides, the window
+  bounds, and the true head dims (``BLOCK_D``/``BLOCK_DV`` are their powers of 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...core.backend import INTERPRET
+from ...core.launcher import cdiv, launcher
+from .common import (
+    block_d,
+    dot,
+    dropout_keep,
+    kv_range,
+    kv_rows,
+    load_tile,
+    modify,
+    seq_bounds,
+    softcap_scores,
+    window_flags,
+)
+
+
+@triton.jit
+def _fwd_loop(
+    acc, l_i, m_i, q, K_HEAD, V_HEAD, BT_ROW, MASK_ROW, BIAS_ROW, lo, hi, offs_m, kv0,
+    seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+    seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+    skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
+    FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < seqlen_kv
+        k_rows = kv_rows(BT_ROW, offs_n, kv0, skb, sks, valid_n, PAGE, BOUNDARY)
+        v_rows = kv_rows(BT_ROW, offs_n, kv0, svb, svs, valid_n, PAGE, BOUNDARY)
+        kt = load_tile(
+            K_HEAD + k_rows[None, :] + offs_d[:, None] * skd, valid_n[None, :], (offs_d < head_dim)[:, None],
+            BOUNDARY, EVEN_D,
+        )  # fmt: skip
+        qk = dot(q, kt, tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, UPCAST)
+        s, _ = softcap_scores(qk, qk_scale, cap_scale, SOFTCAP)
+        s = modify(
+            s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_kv, diag, window_left, window_right,
+            slope2, MASK_ROW, smq, smk, BIAS_ROW, sbq, sbk,
+            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, BOUNDARY,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - shift)
+        p = tl.math.exp2(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_kv_max, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = load_tile(
+            V_HEAD + v_rows[:, None] + offs_dv[None, :] * svd, valid_n[:, None],
+            (offs_dv < head_dim_v)[None, :],
+            BOUNDARY, EVEN_DV,
+        )  # fmt: skip
+        if FP8:
+            p = p.to(v.dtype)
+        else:
+            p = p.to(q.dtype)
+        acc = dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, OUT, LSE, MASK, BIAS, ALIBI, SINKS, LENS_Q, LENS_KV, BT, RNG, DESCALE,
+    qk_scale, cap_scale, dropout_p,
+    seqlen_q_max, seqlen_kv_max, hq, group,
+    sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sos, sod,
+    slb, slh, sls, smb, smh, smq, smk, sbb, sbh, sbq, sbk, sab, btb,
+    window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
+    FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+):  # fmt: skip
+    """OUT = softmax(scores) @ V for BLOCK_M queries of one (batch, query head); LSE of every row."""
+    # The heaviest query blocks of a causal mask are the last ones: start them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // hq
+    h = pid_bh % hq
+    hk = h // group
+    q0, seqlen_q, kv0, seqlen_kv = seq_bounds(LENS_Q, LENS_KV, b, seqlen_q_max, seqlen_kv_max, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if VARLEN == 2:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if m0 >= seqlen_q:  # past this packed sequence: those rows belong to the next one
+            return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = seqlen_kv - seqlen_q
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q_ptrs = (
+        Q
+        + b64 * sqb
+        + h.to(tl.int64) * sqh
+        + (q0 + offs_m).to(tl.int64)[:, None] * sqs
+        + offs_d[None, :] * sqd
+    )
+    q = tl.load(q_ptrs, mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    if FP8:
+        qk_scale = qk_scale * tl.load(DESCALE) * tl.load(DESCALE + 1)
+    if PAGE > 0:
+        k_head = K + hk.to(tl.int64) * skh
+        v_head = V + hk.to(tl.int64) * svh
+    else:
+        k_head = K + b64 * skb + hk.to(tl.int64) * skh
+        v_head = V + b64 * svb + hk.to(tl.int64) * svh
+    bt_row = BT + b64 * btb
+    mask_row = MASK + b64 * smb + h.to(tl.int64) * smh
+    bias_row = BIAS + b64 * sbb + h.to(tl.int64) * sbh
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + b64 * sab + h).to(tl.float32) * 1.4426950408889634
+    seed = 0
+    rng_base = 0
+    if DROPOUT:
+        seed = tl.load(RNG)
+        rng_base = tl.load(RNG + 1) + pid_bh.to(tl.int64) * seqlen_q_max * seqlen_kv_max
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    lo, full_lo, full_hi, hi = kv_range(
+        m0, seqlen_kv, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    if m0 >= seqlen_q:  # padded rows past this batch's length: no keys, zero output
+        hi = lo
+        full_lo = lo
+        full_hi = lo
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, lo, full_lo, offs_m, kv0,
+        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+        seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+        skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
+        UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, full_lo, full_hi, offs_m, kv0,
+        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+        seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+        skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
+        UPCAST, False, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_loop(
+        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, full_hi, hi, offs_m, kv0,
+        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+        seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+        skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
+        UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+    )  # fmt: skip
+
+    if HAS_SINKS:
+        # The sink's logit joins the denominator (not the numerator): rescale to the larger max.
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    row_ok = (offs_m < seqlen_q) & (l_i > 0)
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    inv = 1.0 / l_safe
+    if DROPOUT:
+        inv = inv * (1.0 / (1.0 - dropout_p))
+    if FP8:
+        inv = inv * tl.load(DESCALE + 2)
+    out = tl.where(row_ok[:, None], acc * inv[:, None], 0.0)
+    lse = tl.where(row_ok, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+    rows = offs_m < seqlen_q
+    if VARLEN == 1:
+        rows = offs_m < seqlen_q_max  # padded rows are written too (zeros, lse -inf)
+    o_ptrs = (
+        OUT
+        + b64 * sob
+        + h.to(tl.int64) * soh
+        + (q0 + offs_m).to(tl.int64)[:, None] * sos
+        + offs_dv[None, :] * sod
+    )
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=rows[:, None] & (offs_dv < head_dim_v)[None, :])
+    lse_ptrs = LSE + b64 * slb + h.to(tl.int64) * slh + (q0 + offs_m).to(tl.int64) * sls
+    tl.store(lse_ptrs, lse, mask=rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine.
+
+
+def forward_configs(problem, interpret: bool) -> list[dict]:
+    """Tile shapes worth timing for the forward; the first is the heuristic's pick (H100 guesses:
+    128-query blocks, key blocks as wide as registers allow for the head dim)."""
+    if interpret:
+        return [{"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
+    d = max(block_d(problem.head_dim), block_d(problem.head_dim_v))
+    if d <= 64:
+        shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+    elif d <= 128:
+        shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+    else:
+        shapes = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
+    small = max(16, triton.next_power_of_2(problem.seqlen_q))
+    out = []
+    for bm, bn, w, s in shapes:
+        cfg = {"BLOCK_M": min(bm, small), "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def bind_forward(problem, config: dict):
+    """The launcher of ``attention_fwd_kernel`` for ``problem``: call it with the 14 tensors
+    (``Q, K, V, OUT, LSE, MASK, BIAS, ALIBI, SINKS, LENS_Q, LENS_KV, BT, RNG, DESCALE``) and the
+    floats ``qk_scale, cap_scale, dropout_p``."""
+    p = problem
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    has_left, has_right, left, right = window_flags(p.window)
+    ints = (
+        p.seqlen_q, p.seqlen_kv, p.heads_q, p.group,
+        *p.stride("q"), *p.stride("k"), *p.stride("v"), *p.stride("o"), *p.stride("lse"),
+        *(p.mask or (0, 0, 0, 0)), *(p.bias or (0, 0, 0, 0)), p.alibi or 0, p.block_table_stride,
+        left, right,
+    )  # fmt: skip
+    constexprs = (
+        has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.alibi is not None,
+        p.softcap, p.sinks, p.varlen, p.page, p.dropout, p.fp8, "tf32" if p.tf32 else "ieee",
+        INTERPRET and p.dtype == "bfloat16", bm, bn, block_d(p.head_dim), block_d(p.head_dim_v),
+        p.head_dim, p.head_dim_v,
+    )  # fmt: skip
+    return launcher(
+        attention_fwd_kernel,
+        (cdiv(p.seqlen_q, bm), p.batch * p.heads_q),
+        num_tensors=14,
+        ints=ints,
+        constexprs=constexprs,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+
+
+@triton.jit
+def _dropout_mask_kernel(OUT, seed, offset, seqlen_q, seqlen_kv, dropout_p, BLOCK: tl.constexpr):
+    """OUT[bh, i, j] = the forward's keep decision (see ``common.dropout_keep``)."""
+    pid_bh = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < seqlen_q * seqlen_kv
+    i = idx // seqlen_kv
+    j = idx % seqlen_kv
+    base = offset + pid_bh.to(tl.int64) * seqlen_q * seqlen_kv
+    keep = dropout_keep(seed, base, i, j, seqlen_kv, dropout_p)
+    tl.store(OUT + pid_bh.to(tl.int64) * seqlen_q * seqlen_kv + idx, keep.to(tl.int8), mask=inside)
+
+
+def dropout_mask(batch, heads, seqlen_q, seqlen_kv, dropout_p, seed, offset=0, device=None):
+    """The bool keep mask of ``sdpa``'s dropout (see ``tritondnn.ops.attention.dropout_keep_mask``)."""
+    from ...core.backend import DEVICE_TYPE
+
+    out = torch.empty(batch, heads, seqlen_q, seqlen_kv, dtype=torch.int8, device=device or DEVICE_TYPE)
+    if out.numel():
+        block = 1024
+        _dropout_mask_kernel[(cdiv(seqlen_q * seqlen_kv, block), batch * heads)](
+            out, int(seed), int(offset), seqlen_q, seqlen_kv, float(dropout_p), BLOCK=block
+        )
+    return out.bool()

@@ -22,6 +22,17 @@ from .ops.activation import (
     tanh,
 )
 from .ops.attention import AttentionGrads, dropout_keep_mask, sdpa, sdpa_backward
+from .ops.conv import (
+    conv1d,
+    conv2d,
+    conv3d,
+    conv_backward_bias,
+    conv_backward_data,
+    conv_backward_weight,
+    conv_transpose1d,
+    conv_transpose2d,
+    conv_transpose3d,
+)
 from .ops.ctc import ctc_loss
 from .ops.dropout import dropout, dropout_add
 from .ops.epilogue import Epilogue
@@ -85,6 +96,15 @@ __all__ = [
     "batch_norm_apply",
     "batch_norm_stats",
     "config",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_backward_bias",
+    "conv_backward_data",
+    "conv_backward_weight",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
     "ctc_loss",
     "dequantize_fp8",
     "dropout",

@@ -22,13 +22,14 @@ from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
 from .ops import attention as att
-from .ops import ctc, norm, pool, spatial
+from .ops import conv, ctc, norm, pool, spatial
 from .ops import dropout as dr
 from .ops import matmul as mm
 from .ops import reduce as rd
 from .ops import softmax as sm
 from .ops import tensor_ops as to
 from .ops import transform as tf
+from .ops.epilogue import Epilogue
 
 
 @functools.cache
@@ -40,6 +41,20 @@ def _keep_mask(shape: tuple[int, ...], device: str) -> torch.Tensor:
 def _grid(x: torch.Tensor) -> torch.Tensor:
     theta = torch.tensor([[[0.9, 0.1, 0.05], [-0.1, 0.8, 0.0]]], device=x.device, dtype=x.dtype)
     return F.affine_grid(theta, [1, 1, 32, 64], align_corners=False)
+
+
+def _w(*shape: int, like: torch.Tensor) -> torch.Tensor:
+    """A fixed weight (seeded generator) scaled by 1/sqrt(fan-in), in ``like``'s dtype and device."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(*shape, generator=g) / math.sqrt(math.prod(shape[1:]))).to(like)
+
+
+RELU = Epilogue(activation="relu")
+
+
+def _img(x: torch.Tensor) -> torch.Tensor:
+    """x as a (2, 8, H, W) image: 8 channels, 4 rows of the input's width per sample."""
+    return x[:64].reshape(2, 8, 4, x.shape[1])
 
 
 def _qkv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,6 +117,22 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
     "nearest x2": (
         lambda x: pool.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
         lambda x: F.interpolate(x.view(2, -1, 4, x.shape[1]), scale_factor=2),
+    ),
+    "conv1d k3": (
+        lambda x: conv.conv1d(x[:64].reshape(4, 16, -1), _w(8, 16, 3, like=x), padding=1),
+        lambda x: F.conv1d(x[:64].reshape(4, 16, -1), _w(8, 16, 3, like=x), padding=1),
+    ),
+    "conv2d 3x3/2+bias+relu": (
+        lambda x: conv.conv2d(_img(x), _w(16, 8, 3, 3, like=x), _w(16, like=x), 2, 1, epilogue=RELU),
+        lambda x: F.relu(F.conv2d(_img(x), _w(16, 8, 3, 3, like=x), _w(16, like=x), 2, 1)),
+    ),
+    "conv2d depthwise 3x3": (
+        lambda x: conv.conv2d(_img(x), _w(8, 1, 3, 3, like=x), None, 1, 1, 1, 8),
+        lambda x: F.conv2d(_img(x), _w(8, 1, 3, 3, like=x), None, 1, 1, 1, 8),
+    ),
+    "conv_transpose2d 2x2/2": (
+        lambda x: conv.conv_transpose2d(_img(x), _w(8, 4, 2, 2, like=x), stride=2),
+        lambda x: F.conv_transpose2d(_img(x), _w(8, 4, 2, 2, like=x), stride=2),
     ),
     "sdpa (causal)": (
         lambda x: att.sdpa(*_qkv(x), is_causal=True),

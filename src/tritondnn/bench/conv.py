@@ -1,0 +1,136 @@
+"""Convolution benchmarks: the ResNet-50 layer set at N=64 (bf16 channels-last and fp32 NCHW
+without TF32), forward and dgrad+wgrad; conv+bias+ReLU fused; depthwise 3x3; conv3d and conv1d.
+
+TFLOP/s count the direct algorithm's 2 * N * out pixels * Cout * Cin/groups * taps per pass
+(Winograd and FFT are credited with the same work, as cuDNN's numbers are); the depthwise case is
+memory-bound and reports GB/s of x read and y written once. PyTorch runs with
+``torch.backends.cudnn.benchmark = True``; which engine tritondnn's heuristics chose is in the
+case name (``[engine]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from ..core.backend import DEVICE_TYPE, INTERPRET
+from ..core.engine import engines
+from ..ops import conv
+from ..ops.epilogue import Epilogue
+from . import Case, compiled, providers
+
+# (label, Cin, Cout, kernel, stride, padding, input size) at N=64.
+RESNET50 = [
+    ("7x7s2 3->64 @224", 3, 64, 7, 2, 3, 224),
+    ("3x3 64 @56", 64, 64, 3, 1, 1, 56),
+    ("1x1 64->256 @56", 64, 256, 1, 1, 0, 56),
+    ("3x3 128 @28", 128, 128, 3, 1, 1, 28),
+    ("3x3 256 @14", 256, 256, 3, 1, 1, 14),
+    ("3x3 512 @7", 512, 512, 3, 1, 1, 7),
+    ("1x1s2 1024->2048 @14", 1024, 2048, 1, 2, 0, 14),
+]
+
+
+def _chosen(x: torch.Tensor, w: torch.Tensor, *args: object) -> str:
+    return next((r.name for r in engines("conv", x, w, None, *args) if r.chosen), "?")
+
+
+def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, groups, dtype_name: str,
+                layout: str) -> Iterator[Case]:  # fmt: skip
+    nd = x.ndim - 2
+    ours_fn = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}[nd]
+    ref_fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+    ours = partial(ours_fn, stride=stride, padding=padding, groups=groups)
+    ref = partial(ref_fn, stride=stride, padding=padding, groups=groups)
+    y = ref(x, w)
+    flops = 2 * y.numel() * w[0].numel()
+    name = f"conv{nd}d {label} {dtype_name} {layout}"
+    engine = _chosen(x, w, stride, padding, 1, groups)
+    yield Case(
+        f"{name} fwd [{engine}]",
+        providers(tritondnn=partial(ours, x, w), torch=partial(ref, x, w), torch_compile=compiled(ref, x, w)),
+        flops=flops,
+    )
+    xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    dy = torch.randn_like(y)
+    yield Case(
+        f"{name} fwd+bwd",
+        providers(
+            tritondnn=partial(_grads_only, ours, xg, wg, dy), torch=partial(_grads_only, ref, xg, wg, dy)
+        ),
+        flops=3 * flops,
+    )
+
+
+def _grads_only(fn: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
+    """Forward, then dgrad + wgrad (3x the forward's work)."""
+    return torch.autograd.grad(fn(x, w), (x, w), dy)
+
+
+def cases(quick: bool) -> Iterator[Case]:
+    torch.backends.cudnn.benchmark = True
+    dev = DEVICE_TYPE
+    n = 2 if INTERPRET else 64
+    layers = RESNET50[:2] if quick else RESNET50
+    for dtype, dtype_name, cl in ((torch.bfloat16, "bf16", True), (torch.float32, "fp32", False)):
+        layout = "NHWC" if cl else "NCHW"
+        for label, cin, cout, k, s, p, size in layers:
+            if INTERPRET:
+                cin, cout, size = min(cin, 8), min(cout, 8), min(size, 12)
+            x = torch.randn(n, cin, size, size, device=dev, dtype=dtype)
+            if cl:
+                x = x.to(memory_format=torch.channels_last)
+            w = torch.randn(cout, cin, k, k, device=dev, dtype=dtype) / math.sqrt(cin * k * k)
+            if cl:
+                w = w.to(memory_format=torch.channels_last)
+            yield from _conv_cases(label, x, w, s, p, 1, dtype_name, layout)
+    if quick:
+        return
+    # conv + bias + ReLU, fused, against PyTorch eager's three ops.
+    c, size = (8, 12) if INTERPRET else (64, 56)
+    x = torch.randn(n, c, size, size, device=dev, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    w = (torch.randn(c, c, 3, 3, device=dev, dtype=torch.bfloat16) / (3 * math.sqrt(c))).to(
+        memory_format=torch.channels_last
+    )
+    b = torch.randn(c, device=dev, dtype=torch.bfloat16)
+    relu = Epilogue(activation="relu")
+
+    def ref_fused(x, w, b):
+        return F.relu(F.conv2d(x, w, b, padding=1))
+
+    yield Case(
+        f"conv2d+bias+relu 3x3 {c} @{size} bf16 NHWC fwd",
+        providers(
+            tritondnn=partial(conv.conv2d, x, w, b, padding=1, epilogue=relu),
+            torch=partial(ref_fused, x, w, b),
+            torch_compile=compiled(ref_fused, x, w, b),
+        ),
+        flops=2 * x.numel() * c * 9,
+    )
+    # Depthwise 3x3, memory-bound.
+    c = 16 if INTERPRET else 256
+    x = torch.randn(n, c, size, size, device=dev, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    w = torch.randn(c, 1, 3, 3, device=dev, dtype=torch.bfloat16)
+    yield Case(
+        f"conv2d depthwise 3x3 {c} @{size} bf16 NHWC fwd [{_chosen(x, w, 1, 1, 1, c)}]",
+        providers(
+            tritondnn=partial(conv.conv2d, x, w, None, 1, 1, 1, c),
+            torch=partial(F.conv2d, x, w, None, 1, 1, 1, c),
+            torch_compile=compiled(partial(F.conv2d, stride=1, padding=1, groups=c), x, w),
+        ),
+        bytes=2 * x.nbytes,
+    )
+    # conv3d 3x3x3 64ch 16x56x56 and conv1d k5 512ch L4096.
+    c3, d3, s3 = (4, 4, 8) if INTERPRET else (64, 16, 56)
+    x = torch.randn(2 if INTERPRET else 8, c3, d3, s3, s3, device=dev, dtype=torch.bfloat16)
+    x = x.to(memory_format=torch.channels_last_3d)
+    w = torch.randn(c3, c3, 3, 3, 3, device=dev, dtype=torch.bfloat16) / math.sqrt(27 * c3)
+    yield from _conv_cases(f"3x3x3 {c3} @{d3}x{s3}x{s3}", x, w, 1, 1, 1, "bf16", "NDHWC")
+    c1, length = (8, 64) if INTERPRET else (512, 4096)
+    x = torch.randn(n if INTERPRET else 16, c1, length, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(c1, c1, 5, device=dev, dtype=torch.bfloat16) / math.sqrt(5 * c1)
+    yield from _conv_cases(f"k5 {c1} L{length}", x, w, 1, 2, 1, "bf16", "NCL")

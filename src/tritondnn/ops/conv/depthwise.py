@@ -1,0 +1,303 @@
+"""Direct depthwise convolution (groups == input channels): forward, data and weight gradients.
+
+Depthwise convolutions do two multiply-adds per loaded element per tap: they are memory-bound,
+and a GEMM tile would waste all but one of its columns. These kernels keep a [pixels, channels]
+tile of fp32 accumulators and walk the taps on the CUDA cores; channels-last tensors load and
+store whole channel runs. The forward kernel takes the general geometry of ``kernels`` (see its
+docstring), so the data gradient runs as its stride phases, with no work on inserted zeros.
+A channel multiplier (Cout = k * Cin) is supported forward and for the weight gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ...core.backend import INTERPRET
+from ...core.engine import Engine, LaunchConfig
+from ...core.launcher import cdiv, launcher
+from ...core.numerics import convert
+from ..epilogue import apply_epilogue
+from .engines import (
+    DGRAD_FAMILY,
+    FAMILY,
+    WGRAD_FAMILY,
+    dgrad_phases,
+    epilogue_constexprs,
+    forward_geometry,
+    roofline,
+    sm_count,
+)
+from .problem import ConvProblem
+
+
+@triton.jit
+def _depthwise_kernel(
+    src_ptr, w_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+    alpha, beta, p0, p1,
+    M, C_OUT, MULT, OD, OH, OW, ID, IH, IW, TD, TH, TW,
+    s_n, s_c, s_d, s_h, s_w, w_c, w_d, w_h, w_w,
+    o_n, o_c, o_d, o_h, o_w, s_bias,
+    gs_d, gs_h, gs_w, go_d, go_h, go_w, gd_d, gd_h, gd_w,
+    wt_d, wt_h, wt_w, ws_d, ws_h, ws_w,
+    os_d, os_h, os_w, oo_d, oo_h, oo_w, row_limit,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, ACC: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """out[row, co] = sum over taps of src[row's tap position, co // MULT] * w[co, tap]; arguments
+    as ``_igemm_kernel``'s (w_c: the weight's output-channel stride). Grid: (row tiles, channel tiles)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_ok = rows < M
+    col_ok = cols < C_OUT
+    ow = rows % OW
+    rest = rows // OW
+    oh = rest % OH
+    rest = rest // OH
+    od = rest % OD
+    n = rest // OD
+    bd = od * gs_d + go_d
+    bh = oh * gs_h + go_h
+    bw = ow * gs_w + go_w
+    src_rows = src_ptr + n * s_n
+    src_cols = (cols // MULT) * s_c
+    acc = tl.zeros((BLOCK_M, BLOCK_C), ACC)
+    for t in range(0, TD * TH * TW):
+        tw = t % TW
+        t2 = t // TW
+        th = t2 % TH
+        td = t2 // TH
+        sd = bd + td * gd_d
+        sh = bh + th * gd_h
+        sw = bw + tw * gd_w
+        ok = m_ok & (sd >= 0) & (sd < ID) & (sh >= 0) & (sh < IH) & (sw >= 0) & (sw < IW)
+        a_ptrs = src_rows[:, None] + (sd * s_d + sh * s_h + sw * s_w)[:, None] + src_cols[None, :]
+        a = tl.load(a_ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0)
+        w_off = (wt_d + td * ws_d) * w_d + (wt_h + th * ws_h) * w_h + (wt_w + tw * ws_w) * w_w
+        wv = tl.load(w_ptr + w_off + cols * w_c, mask=col_ok, other=0.0)
+        acc += convert(a, ACC) * convert(wv, ACC)[None, :]
+    out_rows = n * o_n + (od * os_d + oo_d) * o_d + (oh * os_h + oo_h) * o_h + (ow * os_w + oo_w) * o_w
+    out_rows = tl.where(m_ok, out_rows, row_limit)
+    y = apply_epilogue(
+        acc,
+        out_rows,
+        cols,
+        row_limit,
+        C_OUT,
+        c_ptr,
+        1,
+        o_c,
+        bias_ptr,
+        s_bias,
+        res_ptr,
+        1,
+        o_c,
+        pre_ptr,
+        1,
+        o_c,
+        alpha,
+        beta,
+        p0,
+        p1,
+        HAS_C,
+        BIAS,
+        ACT,
+        RESIDUAL,
+        STORE_PRE,
+    )
+    out_ptrs = out_ptr + out_rows[:, None] + cols[None, :] * o_c
+    tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=m_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _depthwise_wgrad_kernel(
+    dy_ptr, x_ptr, out_ptr,
+    KTOT, C_OUT, MULT, OD, OH, OW, ID, IH, IW, KH, KW, k_chunk,
+    y_n, y_c, y_d, y_h, y_w, x_n, x_c, x_d, x_h, x_w, o_s, o_c, o_t,
+    st_d, st_h, st_w, pd_d, pd_h, pd_w, dl_d, dl_h, dl_w,
+    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """dw[co, tap] = sum over (n, output pixel) of dy[n, co, pixel] * x[n, co // MULT, pixel's tap
+    position], pixels [s * k_chunk, (s + 1) * k_chunk) for program (channel tile, tap, s); stored at
+    ``out + s * o_s + co * o_c + tap * o_t`` (dw, or the fp32 split workspace)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tap = tl.program_id(1)
+    split = tl.program_id(2)
+    if INDEX_64:
+        split = split.to(tl.int64)
+    col_ok = cols < C_OUT
+    kw = tap % KW
+    kh = (tap // KW) % KH
+    kd = tap // (KW * KH)
+    k_start = split * k_chunk
+    k_end = tl.minimum(KTOT, k_start + k_chunk)
+    acc = tl.zeros((BLOCK_K, BLOCK_C), ACC)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if INDEX_64:
+            k = k.to(tl.int64)
+        k_ok = k < k_end
+        ow = k % OW
+        rest = k // OW
+        oh = rest % OH
+        rest = rest // OH
+        od = rest % OD
+        n = rest // OD
+        a_ptrs = dy_ptr + (n * y_n + od * y_d + oh * y_h + ow * y_w)[:, None] + (cols * y_c)[None, :]
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        sd = od * st_d - pd_d + kd * dl_d
+        sh = oh * st_h - pd_h + kh * dl_h
+        sw = ow * st_w - pd_w + kw * dl_w
+        ok = k_ok & (sd >= 0) & (sd < ID) & (sh >= 0) & (sh < IH) & (sw >= 0) & (sw < IW)
+        b_ptrs = x_ptr + (n * x_n + sd * x_d + sh * x_h + sw * x_w)[:, None] + ((cols // MULT) * x_c)[None, :]
+        b = tl.load(b_ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0)
+        acc += convert(a, ACC) * convert(b, ACC)
+    total = tl.sum(acc, 0)
+    tl.store(
+        out_ptr + split * o_s + cols * o_c + tap * o_t, convert(total, out_ptr.dtype.element_ty), mask=col_ok
+    )
+
+
+def _acc(p: ConvProblem):
+    return tl.float64 if p.dtype == "float64" else tl.float32
+
+
+def _depthwise_reasons(p: ConvProblem) -> list[str]:
+    if p.groups != p.cin:
+        return [f"needs groups == input channels (groups={p.groups}, channels={p.cin})"]
+    return []
+
+
+def _tiles(p: ConvProblem) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_C, warps): channel-wide tiles for channels-last, pixel-long ones otherwise."""
+    if INTERPRET:
+        return 16, 16, 4
+    if p.channels_last:
+        return 32, 64, 4
+    return 128, 16, 4
+
+
+def _ints_from_igemm(ints: tuple[int, ...], c_out: int, mult: int, w_strides: tuple[int, ...]) -> tuple:
+    """The depthwise kernel's ints from ``_igemm_kernel``'s (same geometry, no groups)."""
+    return (ints[0], c_out, mult, *ints[3:12], *ints[12:17], w_strides[0], *w_strides[2:], *ints[23:])
+
+
+def _bind(p: ConvProblem, launches: list[tuple[int, tuple]], c_out: int) -> Callable[..., None]:
+    bm, bc, warps = _tiles(p)
+    consts = (*epilogue_constexprs(p), _acc(p), p.index_64, bm, bc)
+    fns = [
+        launcher(_depthwise_kernel, (cdiv(m, bm), cdiv(c_out, bc)), 7, ints, consts, num_warps=warps)
+        for m, ints in launches
+    ]
+    if len(fns) == 1:
+        return fns[0]
+
+    def run(*args: Any) -> None:
+        for fn in fns:
+            fn(*args)
+
+    return run
+
+
+def _memory_cost(p: ConvProblem) -> float:
+    return roofline(p.flops, p.bytes, 40.0, 0.5, 0.75) + 3.0
+
+
+@FAMILY.register
+class DepthwiseEngine(Engine[ConvProblem]):
+    """Depthwise (groups == channels, any channel multiplier): direct, memory-bound, fused epilogue."""
+
+    name = "depthwise"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _depthwise_reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _memory_cost(problem)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        m, ints = forward_geometry(p)
+        return _bind(p, [(m, _ints_from_igemm(ints, p.cout, p.cout // p.cin, p.w_strides))], p.cout)
+
+
+@DGRAD_FAMILY.register
+class DepthwiseDgradEngine(Engine[ConvProblem]):
+    """Depthwise data gradient (channel multiplier 1), by stride phases."""
+
+    name = "depthwise"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        reasons = _depthwise_reasons(problem)
+        if not reasons and problem.cout != problem.cin:
+            reasons.append(f"needs a channel multiplier of 1 (got {problem.cout // problem.cin})")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _memory_cost(problem)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        launches = [(m, _ints_from_igemm(ints, p.cin, 1, p.w_strides)) for m, ints in dgrad_phases(p)]
+        return _bind(p, launches, p.cin)
+
+
+@WGRAD_FAMILY.register
+class DepthwiseWgradEngine(Engine[ConvProblem]):
+    """Depthwise weight gradient: per (channel tile, tap), a sum over pixels split into chunks that
+    a second pass adds in order (deterministic)."""
+
+    name = "depthwise"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _depthwise_reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _memory_cost(problem) * 1.5
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        from .kernels import _sum_kernel
+
+        p = problem
+        bk, bc = (16, 16) if INTERPRET else (64, 64 if p.channels_last else 32)
+        taps, ktot = p.taps, p.out_pixels
+        tiles = cdiv(p.cout, bc) * taps
+        split = max(1, min(cdiv(2 * sm_count(), tiles), cdiv(ktot, 8 * bk), 1024))
+        chunk = max(bk, cdiv(cdiv(ktot, split), bk) * bk)
+        split = max(1, cdiv(ktot, chunk))
+        numel = p.cout * taps
+        head = (
+            ktot,
+            p.cout,
+            p.cout // p.cin,
+            *p.out_size,
+            *p.in_size,
+            p.kernel[1],
+            p.kernel[2],
+            chunk,
+            *p.y_strides,
+            *p.x_strides,
+        )
+        geometry = (*p.stride, *p.pad, *p.dilation)
+        consts = (_acc(p), p.index_64, bk, bc)
+        grid = (cdiv(p.cout, bc), taps, split)
+        direct = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, 0, taps, 1, *geometry), consts)
+        if split == 1:
+            return lambda x, dy, dw: direct(dy, x, dw)
+        partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, taps, 1, *geometry), consts)
+        reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
+        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
+
+        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
+            partial(dy, x, ws)
+            reduce(ws, dw)
+
+        return run

@@ -1,0 +1,494 @@
+"""Convolution families and the implicit-GEMM and im2col engines.
+
+Three families share ``ConvProblem``: ``conv`` (forward, also conv_transpose's backward-data),
+``conv_dgrad`` (input gradient, also conv_transpose's forward) and ``conv_wgrad`` (weight gradient).
+Engines bind to a launch function with one calling convention per family:
+
+* ``conv``: ``run(x, w, y, c, bias, residual, pre, alpha, beta, p0, p1)``;
+* ``conv_dgrad``: ``run(dy, w, dx, c, bias, residual, pre, alpha, beta, p0, p1)``;
+* ``conv_wgrad``: ``run(x, dy, dw)``, dw contiguous (Cout, Cin / groups, *kernel).
+
+Absent epilogue tensors are passed as the written tensor. Other engines (depthwise, Winograd,
+FFT) live in their own modules and register into these families.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton.language as tl
+
+from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.engine import Choice, Engine, Family, LaunchConfig
+from ...core.errors import NotSupportedError
+from ...core.launcher import cdiv, launcher
+from .kernels import _igemm_kernel, _sum_kernel, _wgrad_kernel
+from .problem import ConvProblem, itemsize
+
+
+def _describe(*args: Any, **kwargs: Any) -> ConvProblem:
+    from . import describe_forward  # the public layer parses the call
+
+    return describe_forward(*args, **kwargs)
+
+
+def _describe_dgrad(*args: Any, **kwargs: Any) -> ConvProblem:
+    from . import describe_dgrad
+
+    return describe_dgrad(*args, **kwargs)
+
+
+def _describe_wgrad(*args: Any, **kwargs: Any) -> ConvProblem:
+    from . import describe_wgrad
+
+    return describe_wgrad(*args, **kwargs)
+
+
+FAMILY: Family[ConvProblem] = Family("conv", _describe)
+DGRAD_FAMILY: Family[ConvProblem] = Family("conv_dgrad", _describe_dgrad)
+WGRAD_FAMILY: Family[ConvProblem] = Family("conv_wgrad", _describe_wgrad)
+
+
+def choose(family: Family[ConvProblem], problem: ConvProblem, algo: str | None, timing_args) -> Choice:
+    """The engine for ``problem``: the forced ``algo`` (``NotSupportedError`` with its reasons
+    when it cannot run it), else the family's selection (heuristic or benchmark mode)."""
+    if algo is None:
+        return family.select(problem, timing_args)
+    for engine in family.engines:
+        if engine.name == algo:
+            reasons = engine.not_supported_reasons(problem)
+            if reasons:
+                raise NotSupportedError(family.name, problem.key(), {engine.name: reasons})
+            return Choice(engine, engine.configs(problem)[0])
+    names = ", ".join(repr(e.name) for e in family.engines)
+    raise ValueError(f"tdnn.{family.name}: argument 'algo'={algo!r}; accepted: None, {names}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model (microseconds on an H100-class GPU) and launch configurations.
+
+_PEAK = {"float16": 600.0, "bfloat16": 600.0, "float32": 45.0, "float64": 45.0}  # TFLOP/s, dense
+_TF32_PEAK = 300.0
+_BANDWIDTH = 3.0  # TB/s
+
+
+@functools.cache
+def sm_count() -> int:
+    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
+
+
+def peak(p: ConvProblem) -> float:
+    return _TF32_PEAK if p.tf32 else _PEAK[p.dtype]
+
+
+def roofline(flops: float, nbytes: float, tflops: float, compute_eff: float, bw_eff: float) -> float:
+    return max(flops / (tflops * 1e6 * compute_eff), nbytes / (_BANDWIDTH * 1e6 * bw_eff))
+
+
+def dot_constexprs(p: ConvProblem) -> tuple:
+    """ACC, PRECISION, UPCAST for tl.dot."""
+    acc = tl.float64 if p.dtype == "float64" else tl.float32
+    return acc, "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16"
+
+
+def epilogue_constexprs(p: ConvProblem) -> tuple:
+    return p.has_c, 1 if p.bias else 0, p.activation, p.residual, p.store_pre
+
+
+def row_limit(p: ConvProblem) -> int:
+    return 2**62 if p.index_64 else 2**31 - 1
+
+
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> LaunchConfig:
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": bk,
+        "GROUP_M": 8,
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+def tile_configs(p: ConvProblem, cols: int) -> list[LaunchConfig]:
+    """Tile shapes for a GEMM with ``cols`` columns per group, the heuristic's pick first: 128x128x64
+    (16-bit) for wide outputs, narrower column tiles where the group has few columns."""
+    if INTERPRET:  # small tiles keep the interpreter quick and still cover several tiles
+        shapes = [(32, 32, 16, 4, 1), (16, 16, 16, 4, 1)]
+    elif p.dtype == "float64":
+        shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2)]
+    elif p.dtype == "float32" and not p.tf32:
+        shapes = [(128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)]
+    elif p.dtype == "float32":
+        shapes = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)]
+    else:
+        shapes = [
+            (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 3),
+            (128, 64, 64, 4, 4),
+            (64, 128, 64, 4, 4),
+            (64, 64, 64, 4, 4),
+            (128, 128, 32, 4, 4),
+        ]
+    configs = [_tile(*s) for s in shapes]
+    fit = max(16, 1 << (max(cols, 1) - 1).bit_length())
+    configs.sort(key=lambda c: c["BLOCK_N"] > max(fit, 64))  # stable: narrow groups skip wide tiles
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and data-gradient geometry for ``_igemm_kernel``.
+
+
+def forward_geometry(p: ConvProblem) -> tuple[int, tuple[int, ...]]:
+    """(rows, the kernel's ints) of the forward convolution."""
+    m = p.out_pixels
+    ints = (
+        m,
+        p.cout_g,
+        p.cin_g,
+        *p.out_size,
+        *p.in_size,
+        *p.kernel,
+        *p.x_strides,
+        p.w_strides[1],
+        p.w_strides[0],
+        *p.w_strides[2:],
+        p.cout_g * p.w_strides[0],
+        *p.y_strides,
+        1,
+        *p.stride,
+        *(-q for q in p.pad),
+        *p.dilation,
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+        0,
+        0,
+        0,
+        row_limit(p),
+    )
+    return m, ints
+
+
+def _phases_1d(size: int, out: int, k: int, s: int, pad: int, d: int) -> list[tuple]:
+    """Per phase r < s of one dimension: (rows, taps, source offset, source step, first tap, tap
+    step, r), see the kernels' docstring."""
+    phases = []
+    g = math.gcd(s, d)
+    for r in range(s):
+        rows = cdiv(size - r, s) if size > r else 0
+        taps = [j for j in range(k) if (r + pad - j * d) % s == 0]
+        k0 = taps[0] if taps else 0
+        phases.append((rows, len(taps), (r + pad - k0 * d) // s, -(d // g), k0, s // g, r))
+    return phases
+
+
+def dgrad_phases(p: ConvProblem) -> list[tuple[int, tuple[int, ...]]]:
+    """(rows, the kernel's ints) of each launch of the data gradient; phases without rows are left out."""
+    dims = [
+        _phases_1d(p.in_size[i], p.out_size[i], p.kernel[i], p.stride[i], p.pad[i], p.dilation[i])
+        for i in range(3)
+    ]
+    launches = []
+    for pd in dims[0]:
+        for ph in dims[1]:
+            for pw in dims[2]:
+                cnt = (pd[0], ph[0], pw[0])
+                m = p.n * math.prod(cnt)
+                if m == 0:
+                    continue
+                ints = (
+                    m,
+                    p.cin_g,
+                    p.cout_g,
+                    *cnt,
+                    *p.out_size,
+                    pd[1],
+                    ph[1],
+                    pw[1],
+                    *p.y_strides,
+                    p.w_strides[0],
+                    p.w_strides[1],
+                    *p.w_strides[2:],
+                    p.cout_g * p.w_strides[0],
+                    *p.x_strides,
+                    1,
+                    1,
+                    1,
+                    1,
+                    pd[2],
+                    ph[2],
+                    pw[2],
+                    pd[3],
+                    ph[3],
+                    pw[3],
+                    pd[4],
+                    ph[4],
+                    pw[4],
+                    pd[5],
+                    ph[5],
+                    pw[5],
+                    p.stride[0],
+                    p.stride[1],
+                    p.stride[2],
+                    pd[6],
+                    ph[6],
+                    pw[6],
+                    row_limit(p),
+                )
+                launches.append((m, ints))
+    return launches
+
+
+def _igemm_launch(p: ConvProblem, config: LaunchConfig, m: int, ints: tuple, cols: int, ck: int):
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    flat = ck < bk
+    return launcher(
+        _igemm_kernel,
+        (cdiv(m, bm) * cdiv(cols, bn), p.groups),
+        num_tensors=7,
+        ints=ints,
+        constexprs=(
+            *epilogue_constexprs(p),
+            *dot_constexprs(p),
+            p.index_64,
+            flat,
+            bm,
+            bn,
+            bk,
+            config["GROUP_M"],
+        ),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+
+
+def _igemm_cost(p: ConvProblem, config: LaunchConfig, cols: int, ck: int) -> float:
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    # Work done on padding: columns past the group's, channels past CK in each K step.
+    col_eff = cols / (cdiv(cols, bn) * bn)
+    k_eff = ck / (cdiv(ck, bk) * bk) if ck >= bk else 0.6
+    return roofline(p.flops, p.bytes, peak(p), 0.75 * col_eff * k_eff, 0.7) + 4.0
+
+
+@FAMILY.register
+class ImplicitGemmEngine(Engine[ConvProblem]):
+    """Any convolution: a GEMM over (pixels) x (output channels), its A operand gathered from the
+    input on the fly (no im2col buffer), bias and the epilogue fused into the store."""
+
+    name = "implicit_gemm"
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _igemm_cost(problem, self.configs(problem)[0], problem.cout_g, problem.cin_g)
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return tile_configs(problem, problem.cout_g)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        m, ints = forward_geometry(problem)
+        return _igemm_launch(problem, config, m, ints, problem.cout_g, problem.cin_g)
+
+
+@DGRAD_FAMILY.register
+class ImplicitGemmDgradEngine(Engine[ConvProblem]):
+    """Any data gradient: per stride phase, a stride-1 implicit GEMM over the output gradient
+    with just the taps that reach that phase (sub-pixel decomposition; no inserted zeros)."""
+
+    name = "implicit_gemm"
+
+    def cost(self, problem: ConvProblem) -> float:
+        phases = math.prod(problem.stride)
+        return _igemm_cost(problem, self.configs(problem)[0], problem.cin_g, problem.cout_g) + 3.0 * phases
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return tile_configs(problem, problem.cin_g)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        launches = [
+            _igemm_launch(problem, config, m, ints, problem.cin_g, problem.cout_g)
+            for m, ints in dgrad_phases(problem)
+        ]
+
+        def run(*args: Any) -> None:
+            for launch in launches:
+                launch(*args)
+
+        return run
+
+
+def wgrad_split(p: ConvProblem, config: LaunchConfig) -> tuple[int, int]:
+    """(split, pixels per split) for the weight gradient: enough programs for two waves, at
+    least four K steps each."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    tiles = cdiv(p.cout_g, bm) * cdiv(p.cin_g * p.taps, bn) * p.groups
+    ktot = p.out_pixels
+    split = max(1, min(cdiv(2 * sm_count(), tiles), cdiv(ktot, 4 * bk), 1024))
+    chunk = cdiv(cdiv(ktot, split), bk) * bk
+    return cdiv(ktot, chunk) if ktot else 1, max(chunk, bk)
+
+
+@WGRAD_FAMILY.register
+class ImplicitGemmWgradEngine(Engine[ConvProblem]):
+    """Any weight gradient: a GEMM (output channels) x (input channels, taps) reducing over
+    N * output pixels, split over that reduction with the partial sums added in a fixed order."""
+
+    name = "implicit_gemm"
+
+    def cost(self, problem: ConvProblem) -> float:
+        return roofline(problem.flops, problem.bytes, peak(problem), 0.6, 0.6) + 8.0
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return tile_configs(problem, problem.cin_g * problem.taps)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+        split, chunk = wgrad_split(p, config)
+        taps = p.taps
+        ncols = p.cin_g * taps
+        numel = p.cout * ncols
+        grid = (cdiv(p.cout_g, bm) * cdiv(ncols, bn), p.groups, split)
+        head = (
+            p.out_pixels,
+            p.cout_g,
+            p.cin_g,
+            *p.out_size,
+            *p.in_size,
+            *p.kernel,
+            chunk,
+            *p.y_strides,
+            *p.x_strides,
+        )
+        geometry = (*p.stride, *p.pad, *p.dilation)
+        consts = (*dot_constexprs(p), p.index_64, p.channels_last, bm, bn, bk, config["GROUP_M"])
+        opts = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+        # dw contiguous (Cout, Cin_g, taps): group step Cout_g * ncols, row ncols, channel taps.
+        direct = (0, p.cout_g * ncols, ncols, taps, 1)
+        launch = launcher(_wgrad_kernel, grid, 3, (*head, *direct, *geometry), consts, **opts)
+        if split == 1:
+            return lambda x, dy, dw: launch(dy, x, dw)
+        partial = (numel, *direct[1:])
+        launch_ws = launcher(_wgrad_kernel, grid, 3, (*head, *partial, *geometry), consts, **opts)
+        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
+        block = 1024
+        reduce = launcher(_sum_kernel, (cdiv(numel, block),), 2, (numel, split), (block,))
+
+        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
+            launch_ws(dy, x, ws)
+            reduce(ws, dw)
+
+        return run
+
+
+# ---------------------------------------------------------------------------------------------
+# The fallback: explicit im2col (torch indexing) and a tdnn.matmul per group.
+
+
+def as5d(t: torch.Tensor) -> torch.Tensor:
+    """The (N, C, D, H, W) view of an (N, C, *spatial) tensor."""
+    while t.ndim < 5:
+        t = t.unsqueeze(2)
+    return t
+
+
+def im2col(x5: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+    """Columns [groups, N * out pixels, Cin_g * taps] (channel-major, then taps) of x (N, C, D, H, W)."""
+    post = [
+        max(0, (o - 1) * s + d * (k - 1) + 1 - i - pre)
+        for o, s, d, k, i, pre in zip(p.out_size, p.stride, p.dilation, p.kernel, p.in_size, p.pad)
+    ]
+    pads = [v for i in (2, 1, 0) for v in (p.pad[i], post[i])]
+    xp = torch.nn.functional.pad(x5, pads)
+    patches = xp
+    for dim, (k, s, d) in enumerate(zip(p.kernel, p.stride, p.dilation)):
+        span = d * (k - 1) + 1
+        patches = patches.unfold(2 + dim, span, s)[..., ::d]  # appends the tap dimension
+    # patches: (N, C, OD, OH, OW, KD, KH, KW)
+    n, c = p.n, p.cin
+    cols = patches.reshape(n, p.groups, p.cin_g, *p.out_size, p.taps)
+    cols = cols.permute(1, 0, 3, 4, 5, 2, 6).reshape(p.groups, n * math.prod(p.out_size), p.cin_g * p.taps)
+    del c
+    return cols
+
+
+def epilogue_torch(
+    acc: torch.Tensor, p: ConvProblem, c, bias, residual, alpha: float, beta: float, p0: float, p1: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused epilogue's arithmetic with torch ops on a (N, Cout, *spatial) accumulator:
+    (act(pre) + residual, pre). The activation is evaluated in float64."""
+    from ..activation import activation_reference
+
+    shape = (1, -1) + (1,) * (acc.ndim - 2)
+    pre = acc * alpha
+    if c is not None:
+        pre = pre + beta * c.to(pre.dtype)
+    if bias is not None:
+        pre = pre + bias.to(pre.dtype).view(shape)
+    y = pre
+    if p.activation >= 0:
+        y = activation_reference(pre, p.activation, p0, p1).to(pre.dtype)
+    if residual is not None:
+        y = y + residual.to(y.dtype)
+    return y, pre
+
+
+@FAMILY.register
+class Im2colGemmEngine(Engine[ConvProblem]):
+    """Every convolution, the always-available fallback: an explicit im2col buffer (PyTorch
+    indexing) times the weights with ``tdnn.matmul`` per group, the epilogue after it in fp32."""
+
+    name = "im2col_gemm"
+
+    def cost(self, problem: ConvProblem) -> float:
+        p = problem
+        cols = p.out_pixels * p.cin * p.taps * itemsize(p.dtype)
+        return roofline(p.flops, p.bytes + 3 * cols, peak(p), 0.6, 0.5) + 40.0
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        from ..matmul import matmul
+
+        p = problem
+        wide = torch.float64 if p.dtype == "float64" else torch.float32
+
+        def run(x, w, y, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+            cols = im2col(as5d(x), p)
+            wm = w.reshape(p.groups, p.cout_g, p.cin_g * p.taps).transpose(1, 2)
+            from ..epilogue import Epilogue
+
+            acc = matmul(cols, wm, epilogue=Epilogue(out_dtype=wide))  # [G, N * pixels, Cout_g]
+            acc = acc.view(p.groups, p.n, *p.out_size, p.cout_g).permute(1, 0, 5, 2, 3, 4)
+            acc = acc.reshape(p.n, p.cout, *p.out_size)
+            acc = acc.view(y.shape)
+            out, pre_v = epilogue_torch(
+                acc,
+                p,
+                c if p.has_c else None,
+                bias if p.bias else None,
+                residual if p.residual else None,
+                alpha,
+                beta,
+                p0,
+                p1,
+            )
+            y.copy_(out)
+            if p.store_pre:
+                pre.copy_(pre_v)
+
+        return run
+
+
+def timing_copy(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [None if t is None else t.clone() for t in tensors]

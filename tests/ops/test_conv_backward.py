@@ -1,0 +1,192 @@
+"""Convolution backward: data and weight gradient engines against float64 references, autograd
+through every convolution and its fused epilogue, gradcheck in fp64, determinism, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondnn as tdnn
+from helpers import DEVICE, assert_close
+from tritondnn.ops import conv
+from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
+from tritondnn.ops.epilogue import Epilogue
+
+FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+# (x shape, cout, kernel, stride, (pre, post) pads, dilation, groups)
+CASES = [
+    ((2, 6, 9, 8), 6, (3, 3), (2, 2), ((1, 1), (0, 2)), (1, 1), 2),
+    ((2, 5, 9, 8), 4, (3, 3), (2, 3), ((1, 1), (1, 1)), (2, 1), 1),
+    ((3, 8, 13), 8, (5,), (3,), ((2, 1),), (2,), 4),
+    ((1, 4, 5, 6, 7), 6, (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), (1, 1, 1), 1),
+    ((2, 6, 9, 8), 6, (3, 3), (2, 1), ((1, 1), (1, 1)), (1, 2), 6),
+    ((2, 3, 7, 7), 16, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
+]
+
+
+def _tensors(case, dtype=torch.float32, last=False):
+    shape, cout, kernel, stride, pads, dilation, groups = case
+    x = torch.randn(shape, device=DEVICE, dtype=dtype)
+    x = channels_last(x) if last else x
+    w = torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE, dtype=dtype) / 3
+    y = conv_reference(x, w, None, stride, pads, dilation, groups)
+    dy = torch.randn(y.shape, device=DEVICE, dtype=dtype)
+    return x, w, dy
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-{c[0]}-s{c[3]}-g{c[6]}")
+@pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
+def test_dgrad_wgrad_engines(case, last, poison):
+    shape, _, _, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case, last=last)
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    engines = ["implicit_gemm"] + (["depthwise"] if groups == shape[1] else [])
+    for engine in engines:
+        dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo=engine)
+        assert_close(dx, rx, what=f"dgrad {engine}")
+        assert (dx.stride(1) == 1) == (dy.stride(1) == 1 and dy.shape[1] > 1 and last)
+        dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo=engine)
+        assert_close(dw, rw, what=f"wgrad {engine}")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=str)
+def test_fp16_gradients(case):
+    x, w, dy = _tensors(case, torch.float16, last=True)
+    _, _, _, stride, pads, dilation, groups = case
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    tx, tw = conv_backward_reference(x.float(), w.float(), dy.float(), stride, pads, dilation, groups)
+    dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups)
+    dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups)
+    assert_close(dx, rx, tx.half(), "dgrad fp16")
+    assert_close(dw, rw, tw.half(), "wgrad fp16")
+
+
+@pytest.mark.gpu_only("Triton's interpreter computes bf16 tl.dot wrongly")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_bf16_gradients(case):
+    x, w, dy = _tensors(case, torch.bfloat16, last=True)
+    _, _, _, stride, pads, dilation, groups = case
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    tx, tw = conv_backward_reference(x.float(), w.float(), dy.float(), stride, pads, dilation, groups)
+    assert_close(conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups), rx, tx.bfloat16())
+    assert_close(conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups), rw, tw.bfloat16())
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "sigmoid"])
+@pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
+def test_autograd_fused_epilogue(activation, last):
+    x = torch.randn(2, 6, 7, 6, device=DEVICE)
+    x = channels_last(x) if last else x
+    w = torch.randn(8, 3, 3, 3, device=DEVICE) / 3
+    b = torch.randn(8, device=DEVICE)
+    c = torch.randn(2, 8, 4, 3, device=DEVICE)
+    r = torch.randn(2, 8, 4, 3, device=DEVICE)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b, c, r)]
+    epi = Epilogue(alpha=1.5, beta=0.5, activation=activation, residual=True)
+    y = conv.conv2d(
+        leaves[0], leaves[1], leaves[2], 2, 1, 1, 2, epilogue=epi, c=leaves[3], residual=leaves[4]
+    )
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_leaves = [t.double().requires_grad_(True) for t in (x, w, b, c, r)]
+    xd, wd, bd, cd, rd = ref_leaves
+    pre = 1.5 * conv_reference(xd, wd, None, (2, 2), ((1, 1), (1, 1)), (1, 1), 2) + 0.5 * cd
+    act = {"relu": F.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid}[activation]
+    ref = act(pre + bd.view(1, -1, 1, 1)) + rd
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy.double())
+    assert_close(y.detach(), ref.detach(), what="out")
+    for name, g, rg in zip(("x", "w", "bias", "c", "residual"), grads, ref_grads):
+        assert_close(g, rg, what=f"d{name}")
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_autograd_every_rank_and_transpose(nd):
+    spatial = {1: (9,), 2: (6, 5), 3: (3, 4, 3)}[nd]
+    x = torch.randn(2, 4, *spatial, device=DEVICE)
+    w = torch.randn(6, 2, *((3,) * nd), device=DEVICE) / 3
+    b = torch.randn(6, device=DEVICE)
+    xg, wg, bg = (t.clone().requires_grad_(True) for t in (x, w, b))
+    y = FNS[nd](xg, wg, bg, 2, 1, 1, 2)
+    dy = torch.randn_like(y)
+    gx, gw, gb = torch.autograd.grad(y, (xg, wg, bg), dy)
+    rx, rw = conv_backward_reference(x, w, dy, (2,) * nd, ((1, 1),) * nd, (1,) * nd, 2)
+    assert_close(gx, rx, what="dx")
+    assert_close(gw, rw, what="dw")
+    assert_close(gb, dy.double().sum([0, *range(2, dy.ndim)]), what="dbias")
+    # conv_transpose: forward is a data gradient, backward a convolution and a weight gradient.
+    wt = torch.randn(4, 3, *((2,) * nd), device=DEVICE)
+    xg, wg = x.clone().requires_grad_(True), wt.clone().requires_grad_(True)
+    fn = {1: conv.conv_transpose1d, 2: conv.conv_transpose2d, 3: conv.conv_transpose3d}[nd]
+    y = fn(xg, wg, None, 2, 1, 1, 2, 1)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (xg, wg), dy)
+    xd, wd = x.double().requires_grad_(True), wt.double().requires_grad_(True)
+    ref = conv_transpose_reference(xd, wd, None, (2,) * nd, (1,) * nd, (1,) * nd, 2, (1,) * nd)
+    rx, rw = torch.autograd.grad(ref, (xd, wd), dy.double())
+    assert_close(y.detach(), ref.detach(), what="conv_transpose")
+    assert_close(gx, rx, what="conv_transpose dx")
+    assert_close(gw, rw, what="conv_transpose dw")
+
+
+@pytest.mark.parametrize(
+    "groups, stride", [(1, 2), (2, 1), (4, 2)], ids=["implicit_gemm-s2", "implicit_gemm-g2", "depthwise-s2"]
+)
+def test_gradcheck_fp64(groups, stride):
+    """fp64 gradcheck (fast mode: random projections, few evaluations under the interpreter)."""
+    x = torch.randn(1, 4, 4, 3, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4 // groups, 2, 2, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    epi = Epilogue(activation="silu")
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: conv.conv2d(x, w, b, stride, ((1, 0), (1, 1)), 1, groups, epilogue=epi),
+        (x, w, b),
+        fast_mode=True,
+    )
+    wt = torch.randn(4, 2, 2, 2, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, w: conv.conv_transpose2d(x, w, None, 2, 0, 1, 2), (x, wt), fast_mode=True
+    )
+
+
+def test_wgrad_split_deterministic():
+    """Enough pixels for a split reduction: two runs give the same bits."""
+    x = torch.randn(4, 4, 12, 12, device=DEVICE)
+    w = torch.randn(4, 4, 3, 3, device=DEVICE)
+    dy = torch.randn(4, 4, 12, 12, device=DEVICE)
+    with tdnn.config.flags(deterministic=True):
+        a = conv.conv_backward_weight(x, dy, w.shape, 1, 1)
+        b = conv.conv_backward_weight(x, dy, w.shape, 1, 1)
+    assert torch.equal(a, b)
+    assert_close(a, conv_backward_reference(x, w, dy, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)[1])
+
+
+def test_bias_gradient():
+    dy = channels_last(torch.randn(3, 5, 4, 6, device=DEVICE))
+    assert_close(conv.conv_backward_bias(dy), dy.double().sum([0, 2, 3]))
+    dy = torch.randn(3, 5, 7, device=DEVICE)
+    assert_close(conv.conv_backward_bias(dy), dy.double().sum([0, 2]))
+
+
+def test_bad_input():
+    w = torch.randn(4, 2, 3, 3, device=DEVICE)
+    dy = torch.randn(1, 4, 4, 4, device=DEVICE)
+    x = torch.randn(1, 4, 6, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="grad_output"):
+        conv.conv_backward_data(dy, w, (1, 4, 9, 9), 1, 0, 1, 2)
+    with pytest.raises(TypeError, match="dtype"):
+        conv.conv_backward_data(dy.half(), w, (1, 4, 6, 6), 1, 0, 1, 2)
+    with pytest.raises(ValueError, match="dimensions"):
+        conv.conv_backward_data(dy, w, (1, 4, 6), 1, 0, 1, 2)
+    with pytest.raises(ValueError, match="grad_output"):
+        conv.conv_backward_weight(x, dy, (4, 3, 3, 3), 1, 0, 1, 2)
+    with pytest.raises(ValueError, match="stride"):
+        conv.conv_backward_weight(x, dy, w.shape, 0, 0, 1, 2)
+    with pytest.raises(tdnn.NotSupportedError, match="depthwise"):
+        conv.conv_backward_weight(x, dy, w.shape, 1, 0, 1, 2, algo="depthwise")

@@ -1,0 +1,302 @@
+"""Convolution forward: every engine against the float64 reference, layouts, padding forms,
+groups, dilation, 1-D/2-D/3-D, the fused epilogue, conv_transpose, engine selection and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondnn as tdnn
+from helpers import DEVICE, assert_close
+from tritondnn.ops import conv
+from tritondnn.ops.conv import conv_reference, conv_transpose_reference
+from tritondnn.ops.epilogue import Epilogue
+
+FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
+TFNS = {1: conv.conv_transpose1d, 2: conv.conv_transpose2d, 3: conv.conv_transpose3d}
+CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def layout(t: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "contiguous":
+        return t
+    if name == "channels_last":  # NLC / NHWC / NDHWC, read in place
+        return t.movedim(1, -1).contiguous().movedim(-1, 1)
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)  # any other strides
+
+
+def pairs(padding, nd):
+    if isinstance(padding, int):
+        return ((padding, padding),) * nd
+    return tuple(p if isinstance(p, tuple) else (p, p) for p in padding)
+
+
+def torch_conv(x, w, b, stride, padding, dilation, groups):
+    """PyTorch's result in x's dtype (fp32 compute for fp16 on CPU, as its kernels do)."""
+    nd = x.ndim - 2
+    pads = [v for p in reversed(pairs(padding, nd)) for v in p]
+    xp = F.pad(x.float(), pads)
+    y = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd](
+        xp, w.float(), None if b is None else b.float(), stride, 0, dilation, groups
+    )
+    return y.to(x.dtype)
+
+
+# (shape, cout, kernel, stride, padding, dilation, groups): odd sizes, asymmetric padding, groups.
+CASES = [
+    ((2, 5, 9, 7), 6, (3, 3), 1, 1, 1, 1),
+    ((2, 6, 9, 8), 6, (3, 2), (2, 1), ((1, 0), (2, 1)), (1, 2), 2),
+    ((1, 20, 6, 7), 17, (1, 1), 2, 0, 1, 1),
+    ((3, 3, 11, 10), 8, (5, 5), 2, 2, 1, 1),
+    ((2, 8, 13), 8, (5,), 3, ((2, 1),), 2, 4),
+    ((1, 4, 5, 6, 7), 6, (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), 1, 2),
+]
+
+
+def _run_case(case, engine, layout_name, dtype):
+    shape, cout, kernel, stride, padding, dilation, groups = case
+    nd = len(shape) - 2
+    x = layout(torch.randn(shape, device=DEVICE, dtype=dtype), layout_name)
+    w = torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE, dtype=dtype) / 3
+    b = torch.randn(cout, device=DEVICE, dtype=dtype)
+    y = FNS[nd](x, w, b, stride, padding, dilation, groups, algo=engine)
+    st = (stride,) * nd if isinstance(stride, int) else stride
+    dl = (dilation,) * nd if isinstance(dilation, int) else dilation
+    ref = conv_reference(x, w, b, st, pairs(padding, nd), dl, groups)
+    assert_close(y, ref, torch_conv(x, w, b, st, padding, dl, groups), f"{engine} {case}")
+    return x, y
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-{c[0]}-g{c[6]}")
+@pytest.mark.parametrize("engine", ["implicit_gemm", "im2col_gemm"])
+def test_engines_fp32(case, engine, poison):
+    _run_case(case, engine, "contiguous", torch.float32)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:], ids=str)
+@pytest.mark.parametrize("layout_name", ["channels_last", "strided"])
+def test_layouts_output_format(case, layout_name):
+    x, y = _run_case(case, "implicit_gemm", layout_name, torch.float32)
+    if x.stride(1) == 1:  # the output keeps the input's layout (channels innermost or not)
+        assert y.stride(1) == 1 and y.movedim(1, -1).is_contiguous()
+    else:
+        assert y.is_contiguous()
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4]], ids=str)
+def test_fp16(case):
+    _run_case(case, "implicit_gemm", "channels_last", torch.float16)
+
+
+@pytest.mark.gpu_only("Triton's interpreter computes bf16 tl.dot wrongly")
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("engine", ["implicit_gemm", "im2col_gemm"])
+def test_bf16(case, engine):
+    _run_case(case, engine, "channels_last", torch.bfloat16)
+
+
+def test_stem_few_channels_flat_k():
+    """3 input channels: the flat (tap, channel) reduction walk."""
+    _run_case(((2, 3, 15, 14), 16, (7, 7), 2, 3, 1, 1), "implicit_gemm", "channels_last", torch.float32)
+
+
+def test_fp64_and_tf32():
+    _run_case(CASES[1], "implicit_gemm", "contiguous", torch.float64)
+    x = torch.randn(2, 16, 6, 6, device=DEVICE)
+    w = torch.randn(8, 16, 3, 3, device=DEVICE)
+    with tdnn.config.flags(allow_tf32=True):
+        y = conv.conv2d(x, w, padding=1)
+    ref = conv_reference(x, w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    # TF32 keeps 10 mantissa bits: about 1e-3 relative per product.
+    assert (y.double() - ref).abs().max() <= 2e-3 * ref.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("mult", [1, 2])
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels_last"])
+def test_depthwise(mult, layout_name):
+    case = ((2, 6, 9, 8), 6 * mult, (3, 3), (2, 1), ((1, 1), (1, 0)), (1, 2), 6)
+    _run_case(case, "depthwise", layout_name, torch.float32)
+    _run_case(((2, 5, 11), 5 * mult, (3,), 1, 1, 1, 5), "depthwise", layout_name, torch.float16)
+
+
+def test_depthwise_chosen_by_heuristic():
+    x = torch.randn(2, 8, 6, 6, device=DEVICE)
+    w = torch.randn(8, 1, 3, 3, device=DEVICE)
+    chosen = [r.name for r in tdnn.engines("conv", x, w, None, 1, 1, 1, 8) if r.chosen]
+    assert chosen == ["depthwise"]
+
+
+def _tolerance_check(y, ref, torch_out, factor, rel):
+    """Winograd and FFT: ``factor`` x PyTorch's own fp32 error plus ``rel`` relative (see their docs)."""
+    scale = max(1.0, float(ref.abs().max()))
+    torch_err = float((torch_out.double() - ref).abs().max())
+    err = float((y.double() - ref).abs().max())
+    assert err <= factor * torch_err + rel * scale, (err, torch_err)
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_winograd(layout_name, groups):
+    x = layout(torch.randn(2, 8, 9, 7, device=DEVICE), layout_name)
+    w = torch.randn(6, 8 // groups, 3, 3, device=DEVICE)
+    b = torch.randn(6, device=DEVICE)
+    padding = ((1, 0), (2, 1))
+    epi = Epilogue(activation="relu")
+    y = conv.conv2d(x, w, b, 1, padding, 1, groups, algo="winograd", epilogue=epi)
+    ref = F.relu(conv_reference(x, w, b, (1, 1), padding, (1, 1), groups))
+    torch_out = F.relu(torch_conv(x, w, b, 1, padding, 1, groups))
+    _tolerance_check(y, ref, torch_out, 20.0, 2e-5)
+    yh = conv.conv2d(x.half(), w.half(), b.half(), 1, padding, 1, groups, algo="winograd")
+    refh = conv_reference(x.half(), w.half(), b.half(), (1, 1), padding, (1, 1), groups)
+    _tolerance_check(yh, refh, torch_conv(x.half(), w.half(), b.half(), 1, padding, 1, groups), 4.0, 2e-3)
+
+
+def test_winograd_not_supported():
+    x = torch.randn(1, 4, 6, 6, device=DEVICE)
+    w = torch.randn(4, 4, 3, 3, device=DEVICE)
+    with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
+        conv.conv2d(x, w, stride=2, algo="winograd")
+    with pytest.raises(tdnn.NotSupportedError, match="3x3"):
+        conv.conv2d(x, w[..., :2], algo="winograd")
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_fft(nd):
+    spatial = {1: (23,), 2: (12, 11), 3: (3, 4, 2)}[nd]
+    kernel = {1: (9,), 2: (7, 7), 3: (2, 2, 2)}[nd]
+    x = layout(torch.randn(2, 3, *spatial, device=DEVICE), "channels_last" if nd == 2 else "contiguous")
+    w = torch.randn(5, 3, *kernel, device=DEVICE)
+    b = torch.randn(5, device=DEVICE)
+    dilation = (1,) * (nd - 1) + (2,)
+    padding = ((3, 2),) * nd if nd < 3 else ((1, 0),) * nd
+    y = FNS[nd](x, w, b, 1, padding, dilation, algo="fft", epilogue=Epilogue(activation="silu"))
+    ref = F.silu(conv_reference(x, w, b, (1,) * nd, padding, dilation, 1))
+    torch_out = F.silu(torch_conv(x, w, b, 1, padding, dilation, 1))
+    _tolerance_check(y, ref, torch_out, 2.0, 1e-5 * w.shape[1] * w[0, 0].numel())
+    with pytest.raises(tdnn.NotSupportedError, match="groups"):
+        FNS[nd](x, w[:, :1].repeat(1, 1, *(1,) * nd)[:3].contiguous(), None, 1, 0, 1, 3, algo="fft")
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels_last"])
+def test_epilogue_fused(layout_name, poison):
+    x = layout(torch.randn(2, 6, 7, 6, device=DEVICE), layout_name)
+    w = torch.randn(10, 6, 3, 3, device=DEVICE)
+    b = torch.randn(10, device=DEVICE)
+    c = torch.randn(2, 10, 4, 3, device=DEVICE)
+    r = torch.randn(2, 10, 4, 3, device=DEVICE)
+    for engine in ("implicit_gemm", "im2col_gemm"):
+        epi = Epilogue(alpha=0.5, beta=2.0, activation="gelu", residual=True, store_preactivation=True)
+        y, pre = conv.conv2d(x, w, b, 2, 1, algo=engine, epilogue=epi, c=c, residual=r)
+        ref_pre = 0.5 * conv_reference(x, w, None, (2, 2), ((1, 1), (1, 1)), (1, 1), 1) + 2 * c.double()
+        ref_pre = ref_pre + b.double().view(1, -1, 1, 1)
+        assert_close(pre, ref_pre, what=f"{engine} pre")
+        assert_close(y, F.gelu(ref_pre) + r.double(), what=f"{engine} out")
+    y16 = conv.conv2d(x, w, b, 2, 1, epilogue=Epilogue(activation="relu", out_dtype=torch.float16))
+    assert y16.dtype == torch.float16
+    ref = F.relu(conv_reference(x, w, b, (2, 2), ((1, 1), (1, 1)), (1, 1), 1))
+    assert_close(y16, ref, ref.half(), "out_dtype fp16")
+
+
+@pytest.mark.parametrize("padding", ["same", "valid", 2, ((0, 3), (2, 0))])
+def test_padding_forms(padding):
+    x = torch.randn(2, 4, 7, 8, device=DEVICE)
+    w = torch.randn(3, 4, 3, 4, device=DEVICE)
+    y = conv.conv2d(x, w, None, 1, padding, (2, 1))
+    expected = F.conv2d(x, w, None, 1, padding, (2, 1)) if isinstance(padding, (str, int)) else None
+    pads = {"same": ((2, 2), (1, 2)), "valid": ((0, 0), (0, 0)), 2: ((2, 2), (2, 2))}.get(padding, padding)
+    ref = conv_reference(x, w, None, (1, 1), pads, (2, 1), 1)
+    assert_close(y, ref, expected)
+
+
+def test_unbatched_and_empty():
+    x = torch.randn(4, 9, device=DEVICE)
+    w = torch.randn(5, 4, 3, device=DEVICE)
+    y = conv.conv1d(x, w, padding=1)
+    assert y.shape == (5, 9)
+    assert_close(y, conv_reference(x[None], w, None, (1,), ((1, 1),), (1,), 1)[0])
+    empty = conv.conv2d(torch.randn(0, 4, 5, 5, device=DEVICE), torch.randn(2, 4, 3, 3, device=DEVICE))
+    assert empty.shape == (0, 2, 3, 3)
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("engine", ["implicit_gemm", "depthwise"])
+def test_conv_transpose(nd, engine, poison):
+    groups = 4 if engine == "depthwise" else 2
+    spatial = {1: (7,), 2: (5, 4), 3: (3, 4, 3)}[nd]
+    x = torch.randn(2, 4, *spatial, device=DEVICE)
+    if nd == 2:
+        x = layout(x, "channels_last")
+    cout_g = 1 if engine == "depthwise" else 3
+    w = torch.randn(4, cout_g, *((3,) * nd), device=DEVICE)
+    b = torch.randn(cout_g * groups, device=DEVICE)
+    stride, padding, out_pad, dilation = (2,) * nd, (1,) * nd, (1,) * nd, (1,) * (nd - 1) + (2,)
+    y = TFNS[nd](x, w, b, stride, padding, out_pad, groups, dilation, algo=engine)
+    ref = conv_transpose_reference(x, w, b, stride, padding, out_pad, groups, dilation)
+    torch_out = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd](
+        x, w, b, stride, padding, out_pad, groups, dilation
+    )
+    assert_close(y, ref, torch_out, f"conv_transpose{nd}d {engine}")
+
+
+def test_conv_transpose_epilogue():
+    x = torch.randn(1, 3, 4, 5, device=DEVICE)
+    w = torch.randn(3, 4, 2, 2, device=DEVICE)
+    r = torch.randn(1, 4, 8, 10, device=DEVICE)
+    y = conv.conv_transpose2d(x, w, stride=2, epilogue=Epilogue(activation="tanh", residual=True), residual=r)
+    ref = torch.tanh(conv_transpose_reference(x, w, None, (2, 2), (0, 0), (0, 0), 1, (1, 1))) + r.double()
+    assert_close(y, ref)
+
+
+def test_engines_report_and_forced(cache_dir):
+    x = torch.randn(1, 4, 6, 6, device=DEVICE)
+    w = torch.randn(4, 2, 3, 3, device=DEVICE)
+    reports = {r.name: r for r in tdnn.engines("conv", x, w, None, 1, 1, 1, 2)}
+    assert reports["implicit_gemm"].supported and reports["im2col_gemm"].supported
+    assert not reports["depthwise"].supported and "groups" in reports["depthwise"].reasons[0]
+    assert not reports["fft"].supported
+    assert sum(r.chosen for r in reports.values()) == 1
+    with pytest.raises(tdnn.NotSupportedError, match="depthwise"):
+        conv.conv2d(x, w, groups=2, algo="depthwise")
+    with pytest.raises(ValueError, match="algo"):
+        conv.conv2d(x, w, groups=2, algo="nope")
+    # Benchmark mode times every candidate and keeps the winner on disk (the data-gradient family:
+    # the forward's im2col engine would autotune its matmul too, slow under the interpreter).
+    dy = torch.randn(1, 4, 3, 3, device=DEVICE)
+    with tdnn.config.flags(benchmark=True):
+        dx = conv.conv_backward_data(dy, w, (1, 4, 6, 6), 2, 1, 1, 2)
+    assert_close(dx, conv.conv_backward_reference(x, w, dy, (2, 2), ((1, 1), (1, 1)), (1, 1), 2)[0])
+    assert any(cache_dir.iterdir())
+
+
+def test_bad_input():
+    x = torch.randn(1, 4, 6, 6, device=DEVICE)
+    w = torch.randn(4, 4, 3, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="input channels"):
+        conv.conv2d(x, torch.randn(4, 3, 3, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="groups=3"):
+        conv.conv2d(x, w[:, :1].repeat(1, 1, 1, 1)[:3], groups=3)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        conv.conv2d(x, torch.randn(4, 4, 9, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="stride"):
+        conv.conv2d(x, w, stride=0)
+    with pytest.raises(ValueError, match="dimensions"):
+        conv.conv2d(x[0, 0], w)
+    with pytest.raises(ValueError, match="dimensions"):
+        conv.conv2d(x, w[0])
+    with pytest.raises(TypeError, match="dtype"):
+        conv.conv2d(x, w.half())
+    with pytest.raises(TypeError, match="dtype"):
+        conv.conv2d(x.int(), w)
+    with pytest.raises(ValueError, match="same"):
+        conv.conv2d(x, w, stride=2, padding="same")
+    with pytest.raises(ValueError, match="bias"):
+        conv.conv2d(x, w, torch.randn(3, device=DEVICE))
+    with pytest.raises(ValueError, match="padding"):
+        conv.conv2d(x, w, padding=-1)
+    with pytest.raises(ValueError, match="residual"):
+        conv.conv2d(x, w, epilogue=Epilogue(residual=True))
+    with pytest.raises(TypeError, match="epilogue"):
+        conv.conv2d(x, w, epilogue="relu")
+    with pytest.raises(ValueError, match="output_padding"):
+        conv.conv_transpose2d(x, w, stride=1, output_padding=1)

@@ -65,6 +65,29 @@ def test_group_norm_looped(layout, poison, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("engine", ["one-block", "looped", "split"])
+@pytest.mark.parametrize("groups", [1, 4, 8])
+def test_group_norm_channels_last_engines(engine, groups, poison, monkeypatch):
+    """Each forward engine on channels_last input with a large mean (the split engine's shifted
+    sums and per-group merge); the backward runs on one-block."""
+    keep = {engine, "one-block"}
+    monkeypatch.setattr(G.FAMILY, "engines", [e for e in G.FAMILY.engines if e.name in keep])
+    monkeypatch.setattr(G.FAMILY, "_plans", {})
+    monkeypatch.setattr(G.FAMILY, "_chosen", {})
+    if engine != "one-block":
+        monkeypatch.setattr(G.OneBlockEngine, "cost", lambda self, p: 2.0 if not p.backward else 1.0)
+    x, w, b, dy = _x(layout="channels_last", offset=50.0), randn(8), randn(8), randn(3, 8, 5, 7)
+    _compare(
+        lambda x, w, b: norm.group_norm(x, groups, w, b, activation="silu"),
+        lambda x, w, b: F.silu(F.group_norm(x, groups, w, b)),
+        [x, w, b],
+        [dy],
+        engine,
+    )
+    used = {choice.engine.name for problem, choice in G.FAMILY._chosen.items() if not problem[0].backward}
+    assert used == {engine}
+
+
 @pytest.mark.parametrize("shape", [(2, 6), (2, 6, 9), (2, 4, 3, 2, 5)])
 def test_group_norm_ranks(shape, poison):
     x, w, b = randn(*shape, scale=2.0), randn(shape[1]), randn(shape[1])

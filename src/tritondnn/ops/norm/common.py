@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 from ...core.checks import check_tensor
+from ...core.launcher import cdiv, launcher
+from ...core.numerics import convert
 from ..activation import Activation
 
 NO_ACTIVATION = -1
@@ -103,12 +107,44 @@ def param_grads(
     return dw, db
 
 
-def sum_rows(partial: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` (any shape of ``partial.shape[1]`` elements) = the sum of ``partial``'s rows, the
-    second stage of the parameter-gradient reductions: one fixed-order reduction, so the same bits
-    on every run; written in place when the dtypes agree (one kernel instead of two)."""
-    flat = out.view(-1)
-    if out.dtype == partial.dtype:
-        torch.sum(partial, 0, out=flat)
-    else:
-        flat.copy_(partial.sum(0))
+@triton.jit
+def _sum_partials_kernel(
+    part_ptr, out_a_ptr, out_b_ptr, n_parts, n_cols,
+    TWO: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """out_a[c] = sum over p of part[0, p, c] (and out_b from part[1] when TWO), in out's dtype.
+    Each program owns BLOCK_C columns and adds the rows in one fixed order: deterministic."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = tl.arange(0, BLOCK_P)[:, None]
+    acc_a = tl.zeros([BLOCK_P, BLOCK_C], part_ptr.dtype.element_ty)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_C], part_ptr.dtype.element_ty)
+    for p0 in range(0, n_parts, BLOCK_P):
+        mask = (p0 + rows < n_parts) & (cols < n_cols)[None, :]
+        at = part_ptr + (p0 + rows) * n_cols + cols[None, :]
+        acc_a += tl.load(at, mask=mask, other=0.0)
+        if TWO:
+            acc_b += tl.load(at + n_parts * n_cols, mask=mask, other=0.0)
+    tl.store(out_a_ptr + cols, convert(tl.sum(acc_a, 0), out_a_ptr.dtype.element_ty), mask=cols < n_cols)
+    if TWO:
+        tl.store(out_b_ptr + cols, convert(tl.sum(acc_b, 0), out_b_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+_SUM_LAUNCHERS: dict[tuple, Callable[..., None]] = {}
+
+
+def sum_partials(part: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | None = None) -> None:
+    """The second stage of the parameter-gradient reductions, in one launch: ``out_a`` (any shape
+    of C elements, any float dtype) = the sum over p of ``part[0, p, :]``, and ``out_b`` of
+    ``part[1]`` when given. ``part`` is a contiguous (1 or 2, P, C) fp32/fp64 buffer. One kernel
+    replaces a reduction and a dtype copy per output, and the rows are added in a fixed order."""
+    two = out_b is not None
+    _, n_parts, n_cols = part.shape
+    key = (two, n_parts, n_cols)
+    run = _SUM_LAUNCHERS.get(key)
+    if run is None:
+        block_c = min(64, triton.next_power_of_2(n_cols))
+        block_p = max(1, min(triton.next_power_of_2(n_parts), 4096 // block_c))
+        run = _SUM_LAUNCHERS[key] = launcher(
+            _sum_partials_kernel, (cdiv(n_cols, block_c),), 3, (n_parts, n_cols), (two, block_p, block_c)
+        )
+    run(part, out_a, out_b if two else out_a)

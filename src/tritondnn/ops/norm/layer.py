@@ -33,7 +33,7 @@ from .common import (
     dtype_name,
     param_grads,
     rows_view,
-    sum_rows,
+    sum_partials,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -415,18 +415,23 @@ class _RowEngine(Engine[LayerNormProblem]):
             ),
             num_warps=warps,
         )
-        # The looped kernel accumulates into its partial rows, so they start at zero.
-        shape = (programs, p.n_cols)
+        # One buffer holds both parameters' partial rows (one allocation); the looped kernel
+        # accumulates into them, so they start at zero.
+        shape = (p.need_dw + p.need_db, programs, p.n_cols)
 
         def backward(dy, x, w, b, mean, rstd, dsum, dx, dw, db, p0, p1) -> None:
-            alloc = mean.new_empty if self.one_block else mean.new_zeros
-            dw_part = alloc(shape) if p.need_dw else x
-            db_part = alloc(shape) if p.need_db else x
+            if not (p.need_dw or p.need_db):
+                run(dy, x, w, b, mean, rstd, dsum, dx, x, x, p0, p1)
+                return
+            part = mean.new_empty(shape) if self.one_block else mean.new_zeros(shape)
+            dw_part = part if p.need_dw else x
+            db_part = part[1] if p.need_dw and p.need_db else (part if p.need_db else x)
             run(dy, x, w, b, mean, rstd, dsum, dx, dw_part, db_part, p0, p1)
             # Second stage: one fixed-order sum over the programs' partials (deterministic).
-            for need, part, out in ((p.need_dw, dw_part, dw), (p.need_db, db_part, db)):
-                if need:
-                    sum_rows(part, out)
+            if p.need_dw:
+                sum_partials(part, dw, db if p.need_db else None)
+            else:
+                sum_partials(part, db)
 
         return backward
 

@@ -546,7 +546,7 @@ def quantize_fp8(
     amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
     q_store = torch.empty(x.shape, dtype=torch.float32 if INTERPRET else dtype, device=x.device)
     if x.numel():
-        _elementwise(_quantize_kernel, x.numel(), 4, (fmax,))(x, s, q_store, amax)
+        _elementwise(_quantize_kernel, x.numel(), 4, (fmax,), (x.dtype, q_store.dtype))(x, s, q_store, amax)
     q = q_store.to(dtype) if INTERPRET else q_store
     return q, s.reshape(()), amax.reshape(())
 
@@ -554,9 +554,10 @@ def quantize_fp8(
 _launchers: dict[tuple, Callable[..., None]] = {}
 
 
-def _elementwise(fn, numel: int, num_tensors: int, flags: tuple) -> Callable[..., None]:
-    """The cached launch of a flat kernel over ``numel`` elements (2048 a program, 4 warps)."""
-    key = (fn, numel, flags)
+def _elementwise(fn, numel: int, num_tensors: int, flags: tuple, dtypes: tuple) -> Callable[..., None]:
+    """The cached launch of a flat kernel over ``numel`` elements (2048 a program, 4 warps). A
+    launcher compiles for its first call's dtypes, so the tensors' ``dtypes`` are in the key."""
+    key = (fn, numel, flags, dtypes)
     launch = _launchers.get(key)
     if launch is None:
         block = 2048
@@ -589,7 +590,7 @@ def dequantize_fp8(
         q = q.float()  # the interpreter has no fp8 loads
     y = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     if q.numel():
-        _elementwise(_dequantize_kernel, q.numel(), 3, ())(q, s, y)
+        _elementwise(_dequantize_kernel, q.numel(), 3, (), (q.dtype, y.dtype))(q, s, y)
     return y
 
 

@@ -139,7 +139,8 @@ def sum_partials(part: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | 
     replaces a reduction and a dtype copy per output, and the rows are added in a fixed order."""
     two = out_b is not None
     _, n_parts, n_cols = part.shape
-    key = (two, n_parts, n_cols)
+    # The launcher compiles for the first call's dtypes: they belong in the key.
+    key = (n_parts, n_cols, part.dtype, out_a.dtype, out_b.dtype if two else None)
     run = _SUM_LAUNCHERS.get(key)
     if run is None:
         block_c = min(64, triton.next_power_of_2(n_cols))

@@ -300,7 +300,7 @@ def _split_finalize_kernel(
         at = part_ptr + (n * splits + k) * 2 * n_channels + ch
         total += tl.load(at, mask=m, other=0.0)
         total_sq += tl.load(at + n_channels, mask=m, other=0.0)
-    count = spatial.to(ACC)
+    count = tl.sum(tl.zeros([1], ACC), 0) + spatial  # spatial may be a constexpr (a size of 1)
     mean_c = shift + total / count
     m2_c = tl.where(m, tl.maximum(total_sq - total * total / count, 0.0), 0.0)
     mean_g = tl.sum(tl.where(m, mean_c, 0.0), 1) / cpg

@@ -80,6 +80,17 @@ def test_softcap(poison):
     check(ours, ref_bhsd(softcap=5.0, window=(9, 2)), inputs, "softcap")
 
 
+def test_bias_gradient_with_softcap(poison):
+    """The bias is added after the soft-cap: dBias is dS without the tanh's derivative."""
+    inputs = {**QKV(dtype=torch.float32), "bias": rand(1, 2, 37, 45)}
+    inputs["q"] = inputs["q"] * 3
+    ours = lambda q, k, v, bias: sdpa(q, k, v, bias=bias, softcap=2.0, is_causal=True, enable_gqa=True)
+    ref = lambda q, k, v, bias, compute_dtype: sdpa_reference(
+        q, k, v, bias=bias, softcap=2.0, is_causal=True, compute_dtype=compute_dtype
+    )[0]
+    check(ours, ref, inputs, "bias + softcap")
+
+
 def test_sinks_and_their_gradient(poison):
     inputs = {**QKV(), "sinks": rand(2, dtype=torch.float16)}
     ours = lambda q, k, v, sinks: sdpa(q, k, v, sinks=sinks, is_causal=True, enable_gqa=True)

@@ -194,7 +194,9 @@ def bind_decode(p, config: dict):
     bd, bdv = block_d(p.head_dim), block_d(p.head_dim_v)
     rows = max(16, triton.next_power_of_2(p.group * p.seqlen_q))
     programs = p.batch * p.heads_kv
-    splits = max(1, min(cdiv(p.seqlen_kv, bn), cdiv(2 * multiprocessor_count(), programs), 256))
+    # Enough programs to keep every SM streaming keys: ``waves`` programs per SM (config).
+    waves = config.get("waves", 2)
+    splits = max(1, min(cdiv(p.seqlen_kv, bn), cdiv(waves * multiprocessor_count(), programs), 256))
     chunk = cdiv(cdiv(p.seqlen_kv, splits), bn) * bn
     splits = cdiv(p.seqlen_kv, chunk)
     split_launch = launcher(

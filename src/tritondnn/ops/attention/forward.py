@@ -27,6 +27,7 @@ from .common import (
     block_d,
     dot,
     dropout_keep,
+    ensure_allocator,
     kv_range,
     kv_rows,
     load_tile,
@@ -39,7 +40,7 @@ from .common import (
 
 @triton.jit
 def _fwd_loop(
-    acc, l_i, m_i, q, K_HEAD, V_HEAD, BT_ROW, MASK_ROW, BIAS_ROW, lo, hi, offs_m, kv0,
+    acc, l_i, m_i, q, K_HEAD, V_HEAD, K_DESC, V_DESC, BT_ROW, MASK_ROW, BIAS_ROW, lo, hi, offs_m, kv0,
     seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
     seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
     skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
@@ -47,19 +48,21 @@ def _fwd_loop(
     HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr, VT: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid_n = offs_n < seqlen_kv
-        k_rows = kv_rows(BT_ROW, offs_n, kv0, skb, sks, valid_n, PAGE, BOUNDARY)
-        v_rows = kv_rows(BT_ROW, offs_n, kv0, svb, svs, valid_n, PAGE, BOUNDARY)
-        kt = load_tile(
-            K_HEAD + k_rows[None, :] + offs_d[:, None] * skd, valid_n[None, :], (offs_d < head_dim)[:, None],
-            BOUNDARY, EVEN_D,
-        )  # fmt: skip
+        if DESC:
+            kt = tl.trans(K_DESC.load([start_n, 0]))
+        else:
+            k_rows = kv_rows(BT_ROW, offs_n, kv0, skb, sks, valid_n, PAGE, BOUNDARY)
+            kt = load_tile(
+                K_HEAD + k_rows[None, :] + offs_d[:, None] * skd, valid_n[None, :],
+                (offs_d < head_dim)[:, None], BOUNDARY, EVEN_D,
+            )  # fmt: skip
         qk = dot(q, kt, tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, UPCAST)
         s, _ = softcap_scores(qk, qk_scale, cap_scale, SOFTCAP)
         s = modify(
@@ -68,19 +71,27 @@ def _fwd_loop(
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, BOUNDARY,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        if BOUNDARY or HAS_MASK:
+            # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        else:
+            shift = m_new  # every score of an unmasked block is finite
         alpha = tl.math.exp2(m_i - shift)
         p = tl.math.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_kv_max, dropout_p)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(
-            V_HEAD + v_rows[:, None] + offs_dv[None, :] * svd, valid_n[:, None],
-            (offs_dv < head_dim_v)[None, :],
-            BOUNDARY, EVEN_DV,
-        )  # fmt: skip
+        if VT:
+            v = tl.trans(V_DESC.load([0, start_n]))
+        elif DESC:
+            v = V_DESC.load([start_n, 0])
+        else:
+            v_rows = kv_rows(BT_ROW, offs_n, kv0, svb, svs, valid_n, PAGE, BOUNDARY)
+            v = load_tile(
+                V_HEAD + v_rows[:, None] + offs_dv[None, :] * svd, valid_n[:, None],
+                (offs_dv < head_dim_v)[None, :], BOUNDARY, EVEN_DV,
+            )  # fmt: skip
         if FP8:
             p = p.to(v.dtype)
         else:
@@ -103,7 +114,8 @@ def attention_fwd_kernel(
     HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr,
+    VT: tl.constexpr,
 ):  # fmt: skip
     """OUT = softmax(scores) @ V for BLOCK_M queries of one (batch, query head); LSE of every row."""
     # The heaviest query blocks of a causal mask are the last ones: start them first.
@@ -131,7 +143,14 @@ def attention_fwd_kernel(
         + (q0 + offs_m).to(tl.int64)[:, None] * sqs
         + offs_d[None, :] * sqd
     )
-    q = tl.load(q_ptrs, mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    if DESC:
+        q_desc = tl.make_tensor_descriptor(
+            Q + b64 * sqb + h.to(tl.int64) * sqh + (b64 * 0 + q0) * sqs, [tl.maximum(seqlen_q, 1), head_dim],
+            [sqs, 1], [BLOCK_M, BLOCK_D],
+        )  # fmt: skip
+        q = q_desc.load([m0, 0])
+    else:
+        q = tl.load(q_ptrs, mask=(offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :], other=0.0)
     if FP8:
         qk_scale = qk_scale * tl.load(DESCALE) * tl.load(DESCALE + 1)
     if PAGE > 0:
@@ -141,6 +160,26 @@ def attention_fwd_kernel(
         k_head = K + b64 * skb + hk.to(tl.int64) * skh
         v_head = V + b64 * svb + hk.to(tl.int64) * svh
     bt_row = BT + b64 * btb
+    k_desc = k_head
+    v_desc = v_head
+    if DESC:
+        # Tiles through the copy engine: rows past this sequence's keys load as zeros (the boundary
+        # blocks mask their scores), so no address arithmetic or bounds checks per block.
+        k_desc = tl.make_tensor_descriptor(
+            k_head + (b64 * 0 + kv0) * sks, [tl.maximum(seqlen_kv, 1), head_dim], [sks, 1], [BLOCK_N, BLOCK_D]
+        )
+        if VT:
+            # fp8: V stored transposed (keys contiguous), the K-major operand fp8 products need.
+            v_desc = tl.make_tensor_descriptor(
+                v_head, [head_dim_v, tl.maximum(seqlen_kv, 1)], [svd, 1], [BLOCK_DV, BLOCK_N]
+            )
+        else:
+            v_desc = tl.make_tensor_descriptor(
+                v_head + (b64 * 0 + kv0) * svs,
+                [tl.maximum(seqlen_kv, 1), head_dim_v],
+                [svs, 1],
+                [BLOCK_N, BLOCK_DV],
+            )
     mask_row = MASK + b64 * smb + h.to(tl.int64) * smh
     bias_row = BIAS + b64 * sbb + h.to(tl.int64) * sbh
     slope2 = 0.0
@@ -163,28 +202,34 @@ def attention_fwd_kernel(
         full_lo = lo
         full_hi = lo
     acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, lo, full_lo, offs_m, kv0,
+        acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
+        lo, full_lo, offs_m, kv0,
         seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
         seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
         skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
         UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+        DESC, False, VT,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, full_lo, full_hi, offs_m, kv0,
+        acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
+        full_lo, full_hi, offs_m, kv0,
         seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
         seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
         skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
         UPCAST, False, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+        DESC, WS, VT,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_head, v_head, bt_row, mask_row, bias_row, full_hi, hi, offs_m, kv0,
+        acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
+        full_hi, hi, offs_m, kv0,
         seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
         seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
         skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
         UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+        DESC, False, VT,
     )  # fmt: skip
 
     if HAS_SINKS:
@@ -224,36 +269,128 @@ def attention_fwd_kernel(
 
 
 def forward_configs(problem, interpret: bool) -> list[dict]:
-    """Tile shapes worth timing for the forward; the first is the heuristic's pick (H100 guesses:
-    128-query blocks, key blocks as wide as registers allow for the head dim)."""
+    """Tile shapes worth timing for the forward; the first is the heuristic's pick (measured on an
+    H100: 128-query blocks, key blocks as wide as registers allow for the head dim, tiles through
+    tensor descriptors where the layout allows)."""
     if interpret:
         return [{"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
     d = max(block_d(problem.head_dim), block_d(problem.head_dim_v))
+    # (BLOCK_M, BLOCK_N, warps, stages, descriptors). H100, bf16, 2026-11: D128 128x128 tiles
+    # through descriptors 481 TFLOP/s (B4 H32 S4096) against 447 for 128x64 pointer loads; D64
+    # (B16 H16 S1024) pointer loads of 128x64 tiles with 8 warps 362 against 327 with 4 warps and
+    # 315 through descriptors.
+    # A mask, bias or dropout loads more per key block: the deeper 128x128 pipeline would exceed
+    # shared memory, so those take the smaller tiles first.
+    extra = problem.mask is not None or problem.bias is not None or problem.dropout
     if d <= 64:
-        shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
+        shapes = [
+            (128, 64, 8, 3, False),
+            (128, 64, 4, 3, False),
+            (64, 64, 4, 3, False),
+            (128, 64, 4, 3, True),
+        ]
+        if extra:
+            shapes = shapes[1:]
     elif d <= 128:
-        shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+        shapes = [
+            (128, 128, 8, 3, True),
+            (128, 64, 8, 3, True),
+            (128, 64, 8, 3, False),
+            (64, 64, 4, 3, False),
+        ]
+        if extra:
+            shapes = shapes[2:]
     else:
-        shapes = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2)]
+        shapes = [(64, 64, 4, 2, True), (64, 64, 4, 2, False), (128, 64, 8, 2, True), (64, 32, 4, 2, False)]
     small = max(16, triton.next_power_of_2(problem.seqlen_q))
+    fits = descriptors_fit(problem, ("q", "k", "v"))
     out = []
-    for bm, bn, w, s in shapes:
-        cfg = {"BLOCK_M": min(bm, small), "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+    for bm, bn, w, s, desc in shapes:
+        cfg = {
+            "BLOCK_M": min(bm, small),
+            "BLOCK_N": bn,
+            "num_warps": w,
+            "num_stages": s,
+            "desc": desc and fits,
+        }
         if cfg not in out:
             out.append(cfg)
     return out
 
 
+def descriptors_fit(problem, names, interpret: bool = INTERPRET) -> bool:
+    """Whether tensors ``names`` can be read through tensor descriptors: a GPU, no paged cache,
+    contiguous head dims and 16-byte-aligned row/head/batch strides (base addresses are checked
+    per call)."""
+    if interpret or problem.page:
+        return False
+    size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}.get(problem.dtype, 0)
+    if not size:
+        return False
+    for n in names:
+        st = problem.stride(n)
+        if st[3] not in (0, 1) or any(x * size % 16 for x in st[:3]):
+            return False
+    return True
+
+
+def aligned(*tensors) -> bool:
+    """All base addresses 16-byte aligned (what a tensor descriptor needs)."""
+    ptrs = 0
+    for t in tensors:
+        ptrs |= t.data_ptr()
+    return not ptrs & 15
+
+
 def bind_forward(problem, config: dict):
     """The launcher of ``attention_fwd_kernel`` for ``problem``: call it with the 14 tensors
     (``Q, K, V, OUT, LSE, MASK, BIAS, ALIBI, SINKS, LENS_Q, LENS_KV, BT, RNG, DESCALE``) and the
-    floats ``qk_scale, cap_scale, dropout_p``."""
+    floats ``qk_scale, cap_scale, dropout_p``. Config keys: the tiles, ``num_warps``,
+    ``num_stages``, ``desc`` (tensor descriptors; pointer loads for a call with unaligned bases)
+    and ``ws`` (warp-specialize the unmasked loop)."""
+    desc = bool(config.get("desc")) and descriptors_fit(problem, ("q", "k", "v"))
+    plain = _bind_forward(problem, config, False, False)
+    if not desc:
+        return plain
+    ensure_allocator()
+    vt = bool(config.get("vt", problem.fp8)) and problem.varlen != 2
+    fast = _bind_forward(problem, config, True, bool(config.get("ws")), vt)
+    if vt:
+        # fp8 products take both operands K-major: one transposed copy of V (keys padded to 16
+        # bytes) per call, a pass over V, instead of a transpose of every tile in the loop.
+        pad = cdiv(problem.seqlen_kv, 16) * 16
+
+        def run_vt(q, k, v, *rest):
+            if not aligned(q, k):
+                return plain(q, k, v, *rest)
+            ensure_allocator()
+            t = torch.empty(v.shape[0], v.shape[1], v.shape[3], pad, dtype=v.dtype, device=v.device)
+            t[..., : v.shape[2]].copy_(v.transpose(2, 3))
+            fast(q, k, t, *rest)
+
+        return run_vt
+
+    def run(q, k, v, *rest):
+        if aligned(q, k, v):
+            ensure_allocator()
+            fast(q, k, v, *rest)
+        else:
+            plain(q, k, v, *rest)
+
+    return run
+
+
+def _bind_forward(problem, config: dict, desc: bool, ws: bool, vt: bool = False):
     p = problem
+    v_strides = p.stride("v")
+    if vt:  # the transposed copy run_vt makes: (B, Hkv, Dv, keys padded to 16)
+        pad = cdiv(p.seqlen_kv, 16) * 16
+        v_strides = (p.heads_kv * p.head_dim_v * pad, p.head_dim_v * pad, 1, pad)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     has_left, has_right, left, right = window_flags(p.window)
     ints = (
         p.seqlen_q, p.seqlen_kv, p.heads_q, p.group,
-        *p.stride("q"), *p.stride("k"), *p.stride("v"), *p.stride("o"), *p.stride("lse"),
+        *p.stride("q"), *p.stride("k"), *v_strides, *p.stride("o"), *p.stride("lse"),
         *(p.mask or (0, 0, 0, 0)), *(p.bias or (0, 0, 0, 0)), p.alibi or 0, p.block_table_stride,
         left, right,
     )  # fmt: skip
@@ -261,7 +398,7 @@ def bind_forward(problem, config: dict):
         has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.alibi is not None,
         p.softcap, p.sinks, p.varlen, p.page, p.dropout, p.fp8, "tf32" if p.tf32 else "ieee",
         INTERPRET and p.dtype == "bfloat16", bm, bn, block_d(p.head_dim), block_d(p.head_dim_v),
-        p.head_dim, p.head_dim_v,
+        p.head_dim, p.head_dim_v, desc, ws, vt,
     )  # fmt: skip
     return launcher(
         attention_fwd_kernel,

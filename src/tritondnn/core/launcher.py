@@ -50,8 +50,20 @@ def launcher(
     grid = (*grid, 1, 1)[:3]
     tail = (*ints, *constexprs)
     if INTERPRET:
+        first_dtypes: list[tuple] = []
 
         def run_interpreted(*args: Any) -> None:
+            # A compiled launcher keeps the kernel built for its first call's dtypes; the
+            # interpreter would quietly follow new ones. Refuse here, so that a cache of launchers
+            # keyed without dtypes fails on the CPU instead of writing garbage on a GPU.
+            dtypes = tuple(getattr(t, "dtype", None) for t in args[:num_tensors])
+            if not first_dtypes:
+                first_dtypes.append(dtypes)
+            elif dtypes != first_dtypes[0]:
+                raise RuntimeError(
+                    f"launcher of {getattr(fn, '__name__', fn)} built for tensor dtypes {first_dtypes[0]} "
+                    f"called with {dtypes}: its cache key must include the dtypes"
+                )
             # Masked-off lanes compute on filler values (-inf - -inf, 0 / 0) as they do on a GPU,
             # where nothing notices; numpy would warn for each.
             with np.errstate(all="ignore"):

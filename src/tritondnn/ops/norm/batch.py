@@ -126,7 +126,9 @@ def _finalize_kernel(
 ):  # fmt: skip
     """Per channel: mean and 1/std (from the summed partials when TRAINING, from the running
     statistics otherwise), the running-statistic update (unbiased variance, as PyTorch), and
-    scale = w / std for the apply kernel."""
+    for the apply kernel scale = w / std (row 0 of the (2, C) scale buffer) and mean_lo, the part
+    of the mean that the fp32 ``mean`` rounded away (row 1): x - mean is then taken as
+    (x - mean) - mean_lo, exact to fp32 whatever the mean's size."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < n_channels
     if TRAINING:
@@ -137,7 +139,9 @@ def _finalize_kernel(
             total_sq += tl.load(sumsq_ptr + k * n_channels + c, mask=cm, other=0.0)
         centred = total / count
         var = tl.maximum(total_sq / count - centred * centred, 0.0)
-        mean = convert(tl.load(shift_ptr + c, mask=cm, other=0.0), ACC) + centred
+        shift = convert(tl.load(shift_ptr + c, mask=cm, other=0.0), ACC)
+        mean = shift + centred
+        mean_lo = (shift - mean) + centred
         if UPDATE_RUNNING:
             rm = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
             rv = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
@@ -155,6 +159,7 @@ def _finalize_kernel(
     else:
         mean = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
         var = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
+        mean_lo = tl.zeros([BLOCK_C], ACC)
     rstd = 1.0 / tl.sqrt(var + eps)
     scale = rstd
     if HAS_W:
@@ -162,6 +167,7 @@ def _finalize_kernel(
     tl.store(mean_ptr + c, mean, mask=cm)
     tl.store(rstd_ptr + c, rstd, mask=cm)
     tl.store(scale_ptr + c, scale, mask=cm)
+    tl.store(scale_ptr + n_channels + c, mean_lo, mask=cm)
 
 
 @triton.jit
@@ -172,7 +178,8 @@ def _apply_kernel(
     HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """y = act((x - mean[c]) * scale[c] + b[c]). Subtracting the mean first keeps the digits a
+    """y = act((x - mean[c] - mean_lo[c]) * scale[c] + b[c]) with scale and mean_lo the rows of
+    the (2, C) buffer the finalize kernel wrote. Subtracting the mean first keeps the digits a
     folded x * scale + (b - mean * scale) would cancel away for large means. Grid: (row blocks,
     channel blocks)."""
     offs, mask, c = _tile(
@@ -181,7 +188,8 @@ def _apply_kernel(
     )  # fmt: skip
     mean = tl.load(mean_ptr + c, mask=c < n_channels, other=0.0)
     scale = tl.load(scale_ptr + c, mask=c < n_channels, other=0.0)
-    y = (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * scale
+    mean_lo = tl.load(scale_ptr + n_channels + c, mask=c < n_channels, other=0.0)
+    y = ((convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) - mean_lo) * scale
     if HAS_B:
         y = y + convert(tl.load(b_ptr + c, mask=c < n_channels, other=0.0), mean.dtype)
     if ACT >= 0:
@@ -391,7 +399,7 @@ class TiledEngine(Engine[BatchNormProblem]):
                         (p.channels, k),
                         (p.acc, p.training, p.update_running, p.has_w, 128),
                     )
-                scale = torch.empty_like(mean)
+                scale = mean.new_empty((2, p.channels))  # scale, mean_lo
                 finalizers[k](sums, sums_sq, shift, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
                 apply(x, mean, scale, b, y, p0, p1)
 

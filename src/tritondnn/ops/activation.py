@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..core import numerics
+from ..core.autocast import FP32, autocast_policy
 from ..core.checks import check_choice, check_float, check_like, check_tensor
 from ..core.config import config
 from ..core.engine import Engine, Family, LaunchConfig, Problem
@@ -601,6 +602,7 @@ def swish(input: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
     return silu(input, beta=beta)
 
 
+@autocast_policy(FP32)
 def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
     """``F.softplus``: ``log(1 + exp(beta * x)) / beta``, and ``x`` where ``beta * x > threshold``."""
     b = check_float("tdnn.softplus", "beta", beta, nonzero=True)

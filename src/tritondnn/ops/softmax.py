@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.autocast import FP32, autocast_policy
 from ..core.checks import FLOAT_DTYPES, check_dim, check_dtype, check_tensor
 from ..core.config import config
 from ..core.engine import Engine, Family, LaunchConfig, Problem
@@ -486,6 +487,7 @@ def _softmax(
     return _forward(input, dim, log, out_dtype)
 
 
+@autocast_policy(FP32, skip_if="dtype")
 def softmax(
     input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -503,6 +505,7 @@ def softmax(
     return _softmax("tdnn.softmax", input, dim, _stacklevel, dtype, log=False)
 
 
+@autocast_policy(FP32, skip_if="dtype")
 def log_softmax(
     input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...core.autocast import LOWER, autocast_policy
 from ...core.backend import INTERPRET
 from ...core.checks import check_choice, check_float, check_tensor
 from ...core.config import config
@@ -716,6 +717,7 @@ def _prepare(
 # Public functions.
 
 
+@autocast_policy(LOWER, LOWER)
 def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,

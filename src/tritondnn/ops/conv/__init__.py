@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ...core.autocast import LOWER, autocast_policy
 from ..epilogue import Epilogue
 from . import depthwise as _depthwise  # noqa: F401  (registers its engines)
 from . import fft as _fft  # noqa: F401
@@ -162,6 +163,7 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
 _ENGINES = "'implicit_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
 
 
+@autocast_policy(LOWER, LOWER)
 def conv1d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -181,6 +183,7 @@ def conv1d(
     )
 
 
+@autocast_policy(LOWER, LOWER)
 def conv2d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -200,6 +203,7 @@ def conv2d(
     )
 
 
+@autocast_policy(LOWER, LOWER)
 def conv3d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -324,6 +328,7 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
     """
 
 
+@autocast_policy(LOWER, LOWER)
 def conv_transpose1d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -357,6 +362,7 @@ def conv_transpose1d(
     )
 
 
+@autocast_policy(LOWER, LOWER)
 def conv_transpose2d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -390,6 +396,7 @@ def conv_transpose2d(
     )
 
 
+@autocast_policy(LOWER, LOWER)
 def conv_transpose3d(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...core.autocast import LOWER, autocast_policy
 from ...core.checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ...core.config import config
 from ...core.library import custom_op, plain_eager
@@ -357,6 +358,7 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
 _eager: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
+@autocast_policy(LOWER, LOWER)
 def matmul(
     input: torch.Tensor,
     other: torch.Tensor,
@@ -429,6 +431,7 @@ def matmul(
     return result
 
 
+@autocast_policy(LOWER, LOWER)
 def linear(
     input: torch.Tensor,
     weight: torch.Tensor,

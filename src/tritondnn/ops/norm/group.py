@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ...core.autocast import FP32, autocast_policy
 from ...core.backend import multiprocessor_count
 from ...core.checks import check_float, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
@@ -729,6 +730,7 @@ def _group_norm(
 # 5. Public function.
 
 
+@autocast_policy(FP32)
 def group_norm(
     input: torch.Tensor,
     num_groups: int,

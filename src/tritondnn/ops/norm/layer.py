@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.autocast import FP32, autocast_policy
 from ...core.backend import multiprocessor_count
 from ...core.checks import check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
@@ -692,6 +693,7 @@ def _default_eps(input: object) -> float | None:
     return torch.finfo(input.dtype).eps if floating else None
 
 
+@autocast_policy(FP32)
 def layer_norm(
     input: torch.Tensor,
     normalized_shape: Sequence[int] | int,

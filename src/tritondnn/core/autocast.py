@@ -1,0 +1,77 @@
+"""torch.autocast for the public functional ops.
+
+The kernels run in whatever dtype they are given, and an eager call skips the dispatcher (see
+``library``), where autocast would otherwise cast. So each public function that PyTorch's autocast
+would cast declares its policy with ``@autocast_policy``:
+
+- ``"lower"``: matrix products (matmul, linear, convolution, attention, RNNs) run in the autocast
+  dtype, like ``torch.mm``/``F.conv2d``/``F.scaled_dot_product_attention`` do;
+- ``"fp32"``: ops PyTorch's CUDA autocast runs in float32 (layer/group norm, softmax and
+  log-softmax without ``dtype``, softplus): fp16/bf16 inputs are widened to float32.
+
+Policies are per device type, as PyTorch's are (CPU autocast keeps norms and softmax in the input
+dtype). Outside autocast a call pays one flag check.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOWER = "lower"
+FP32 = "fp32"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _device_type(args: tuple, kwargs: dict) -> str | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return None
+
+
+def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
+    """Autocast's rule: float64 tensors are never cast; other floating tensors are."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return value
+    if policy == LOWER:
+        return value.to(dtype) if value.dtype in (torch.float32, *_LOW_PRECISION) else value
+    return value.float() if value.dtype in _LOW_PRECISION else value
+
+
+def autocast_policy(cuda: str | None, cpu: str | None = None, skip_if: str | None = None) -> Callable[[F], F]:
+    """Decorate a public op with its autocast policy on CUDA and on CPU (None: no cast there).
+
+    ``skip_if`` names a keyword argument that, when given (not None), turns the cast off, as an
+    explicit ``dtype=`` does for PyTorch's softmax. Floating tensors among the arguments are cast,
+    then the op runs with autocast off so no torch call inside it recasts.
+    """
+    policies = {"cuda": cuda, "cpu": cpu}
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+                return fn(*args, **kwargs)
+            device_type = _device_type(args, kwargs)
+            policy = policies.get(device_type) if device_type is not None else None
+            if (
+                policy is None
+                or not torch.is_autocast_enabled(device_type)
+                or (skip_if is not None and kwargs.get(skip_if) is not None)
+            ):
+                return fn(*args, **kwargs)
+            dtype = torch.get_autocast_dtype(device_type)
+            args = tuple(_cast(a, policy, dtype) for a in args)
+            kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
+            with torch.autocast(device_type, enabled=False):
+                return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,504 @@
+"""torch.nn layers whose forward runs tritondnn's kernels.
+
+Each class subclasses its torch.nn namesake and adds no state: the constructor, parameters,
+buffers, ``state_dict`` and ``repr`` are torch's, so a checkpoint loads into either and
+``tdnn.nn.patch`` can swap a live module's class in place. Only ``forward`` (or the hook torch's
+forward calls, such as ``_conv_forward``) changes.
+
+A call tritondnn cannot take runs torch's own forward instead, as cuDNN's absence would in
+PyTorch: an input on another device than the backend's, or a problem every engine declines
+(``NotSupportedError``; warned once per reason).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..core.backend import ON_DEVICE_ATTR
+from ..core.errors import NotSupportedError
+
+_warned: set[str] = set()
+
+
+def on_backend(x: object) -> bool:
+    """Whether ``x`` is a tensor on the device tritondnn's kernels run on."""
+    return isinstance(x, torch.Tensor) and getattr(x, ON_DEVICE_ATTR)
+
+
+def run_or_fallback(module: nn.Module, x: object, ours: Callable[[], Any], theirs: Callable[[], Any]) -> Any:
+    """``ours()`` when ``x`` is on the backend's device and an engine takes the problem, else
+    ``theirs()`` (torch's forward), warning once per distinct reason."""
+    if not on_backend(x):
+        return theirs()
+    try:
+        return ours()
+    except NotSupportedError as e:
+        reason = f"{type(module).__name__}: {e}"
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"tritondnn falls back to torch for {reason}", stacklevel=3)
+        return theirs()
+
+
+# ---------------------------------------------------------------------------------------------
+# Convolution and linear.
+
+
+def _conv_call(fn: Callable[..., torch.Tensor], spatial: int, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``fn`` on a batched input; an unbatched one (no N dim, as torch.nn accepts) gains one."""
+    if x.dim() == spatial + 1:
+        return fn(x.unsqueeze(0), *args).squeeze(0)
+    return fn(x, *args)
+
+
+class _ConvMixin:
+    """Forward of Conv1d/2d/3d: torch's ``_conv_forward`` with tritondnn's convolution."""
+
+    _tdnn_conv: Callable[..., torch.Tensor]
+    _tdnn_spatial: int
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        def ours() -> torch.Tensor:
+            x, padding = input, self.padding
+            if self.padding_mode != "zeros":
+                x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+                padding = 0
+            args = (weight, bias, self.stride, padding, self.dilation, self.groups)
+            return _conv_call(type(self)._tdnn_conv, self._tdnn_spatial, x, *args)
+
+        theirs = super()._conv_forward
+        return run_or_fallback(self, input, ours, lambda: theirs(input, weight, bias))
+
+
+class Conv1d(_ConvMixin, nn.Conv1d):
+    """``torch.nn.Conv1d`` through ``tdnn.conv1d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv1d), 1
+
+
+class Conv2d(_ConvMixin, nn.Conv2d):
+    """``torch.nn.Conv2d`` through ``tdnn.conv2d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv2d), 2
+
+
+class Conv3d(_ConvMixin, nn.Conv3d):
+    """``torch.nn.Conv3d`` through ``tdnn.conv3d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv3d), 3
+
+
+class _ConvTransposeMixin:
+    """Forward of ConvTranspose1d/2d/3d: torch's, with tritondnn's transposed convolution."""
+
+    _tdnn_conv: Callable[..., torch.Tensor]
+    _tdnn_spatial: int
+
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        def ours() -> torch.Tensor:
+            if self.padding_mode != "zeros":
+                raise ValueError(f"Only 'zeros' padding mode is supported for {type(self).__name__}")
+            output_padding = self._output_padding(
+                input, output_size, self.stride, self.padding, self.kernel_size, self._tdnn_spatial,
+                self.dilation,
+            )  # fmt: skip
+            args = (
+                self.weight,
+                self.bias,
+                self.stride,
+                self.padding,
+                output_padding,
+                self.groups,
+                self.dilation,
+            )
+            return _conv_call(type(self)._tdnn_conv, self._tdnn_spatial, input, *args)
+
+        theirs = super().forward
+        return run_or_fallback(self, input, ours, lambda: theirs(input, output_size))
+
+
+class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    """``torch.nn.ConvTranspose1d`` through ``tdnn.conv_transpose1d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv_transpose1d), 1
+
+
+class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    """``torch.nn.ConvTranspose2d`` through ``tdnn.conv_transpose2d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv_transpose2d), 2
+
+
+class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+    """``torch.nn.ConvTranspose3d`` through ``tdnn.conv_transpose3d``."""
+
+    _tdnn_conv, _tdnn_spatial = staticmethod(ops.conv.conv_transpose3d), 3
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` through ``tdnn.linear``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.matmul.linear(input, self.weight, self.bias),
+            lambda: nn.Linear.forward(self, input),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalization.
+
+
+class _BatchNormMixin:
+    """torch's ``_BatchNorm.forward`` (momentum None = cumulative average, num_batches_tracked,
+    running statistics used in eval) with ``tdnn.batch_norm``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        use_running = not self.training or self.track_running_stats
+        rm = self.running_mean if use_running else None
+        rv = self.running_var if use_running else None
+        args = (input, rm, rv, self.weight, self.bias, batch_stats, factor, self.eps)
+        return run_or_fallback(self, input, lambda: ops.norm.batch_norm(*args), lambda: F.batch_norm(*args))
+
+
+class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d`` through ``tdnn.batch_norm``."""
+
+
+class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` through ``tdnn.batch_norm``."""
+
+
+class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d`` through ``tdnn.batch_norm``."""
+
+
+class _InstanceNormMixin:
+    """torch's ``_InstanceNorm`` (its forward adds the batch dim of an unbatched input) with
+    ``tdnn.instance_norm``."""
+
+    def _apply_instance_norm(self, input: torch.Tensor) -> torch.Tensor:
+        args = (
+            input, self.running_mean, self.running_var, self.weight, self.bias,
+            self.training or not self.track_running_stats,
+            self.momentum if self.momentum is not None else 0.0, self.eps,
+        )  # fmt: skip
+        theirs = super()._apply_instance_norm
+        return run_or_fallback(self, input, lambda: ops.norm.instance_norm(*args), lambda: theirs(input))
+
+
+class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
+    """``torch.nn.InstanceNorm1d`` through ``tdnn.instance_norm``."""
+
+
+class InstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
+    """``torch.nn.InstanceNorm2d`` through ``tdnn.instance_norm``."""
+
+
+class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
+    """``torch.nn.InstanceNorm3d`` through ``tdnn.instance_norm``."""
+
+
+class LayerNorm(nn.LayerNorm):
+    """``torch.nn.LayerNorm`` through ``tdnn.layer_norm``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return run_or_fallback(
+            self, input, lambda: ops.norm.layer_norm(*args), lambda: nn.LayerNorm.forward(self, input)
+        )
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` through ``tdnn.rms_norm``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.normalized_shape, self.weight, self.eps)
+        return run_or_fallback(
+            self, input, lambda: ops.norm.rms_norm(*args), lambda: nn.RMSNorm.forward(self, input)
+        )
+
+
+class GroupNorm(nn.GroupNorm):
+    """``torch.nn.GroupNorm`` through ``tdnn.group_norm``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.num_groups, self.weight, self.bias, self.eps)
+        return run_or_fallback(
+            self, input, lambda: ops.norm.group_norm(*args), lambda: nn.GroupNorm.forward(self, input)
+        )
+
+
+class LocalResponseNorm(nn.LocalResponseNorm):
+    """``torch.nn.LocalResponseNorm`` through ``tdnn.local_response_norm``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.size, self.alpha, self.beta, self.k)
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.pool.local_response_norm(*args),
+            lambda: nn.LocalResponseNorm.forward(self, input),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling and resampling.
+
+
+def _max_pool(fn: Callable[..., Any], base: type[nn.Module]) -> Callable[[nn.Module, torch.Tensor], Any]:
+    def forward(self, input: torch.Tensor) -> Any:
+        args = (input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        return run_or_fallback(
+            self, input, lambda: fn(*args, self.return_indices), lambda: base.forward(self, input)
+        )
+
+    return forward
+
+
+class MaxPool1d(nn.MaxPool1d):
+    """``torch.nn.MaxPool1d`` through ``tdnn.max_pool1d``."""
+
+    forward = _max_pool(ops.pool.max_pool1d, nn.MaxPool1d)
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` through ``tdnn.max_pool2d``."""
+
+    forward = _max_pool(ops.pool.max_pool2d, nn.MaxPool2d)
+
+
+class MaxPool3d(nn.MaxPool3d):
+    """``torch.nn.MaxPool3d`` through ``tdnn.max_pool3d``."""
+
+    forward = _max_pool(ops.pool.max_pool3d, nn.MaxPool3d)
+
+
+class AvgPool1d(nn.AvgPool1d):
+    """``torch.nn.AvgPool1d`` through ``tdnn.avg_pool1d``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad)
+        return run_or_fallback(
+            self, input, lambda: ops.pool.avg_pool1d(*args), lambda: nn.AvgPool1d.forward(self, input)
+        )
+
+
+def _avg_pool(fn: Callable[..., Any], base: type[nn.Module]) -> Callable[[nn.Module, torch.Tensor], Any]:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (
+            input, self.kernel_size, self.stride, self.padding, self.ceil_mode, self.count_include_pad,
+            self.divisor_override,
+        )  # fmt: skip
+        return run_or_fallback(self, input, lambda: fn(*args), lambda: base.forward(self, input))
+
+    return forward
+
+
+class AvgPool2d(nn.AvgPool2d):
+    """``torch.nn.AvgPool2d`` through ``tdnn.avg_pool2d``."""
+
+    forward = _avg_pool(ops.pool.avg_pool2d, nn.AvgPool2d)
+
+
+class AvgPool3d(nn.AvgPool3d):
+    """``torch.nn.AvgPool3d`` through ``tdnn.avg_pool3d``."""
+
+    forward = _avg_pool(ops.pool.avg_pool3d, nn.AvgPool3d)
+
+
+def _adaptive(
+    fn: Callable[..., Any], base: type[nn.Module], with_indices: bool
+) -> Callable[[nn.Module, torch.Tensor], Any]:
+    def forward(self, input: torch.Tensor) -> Any:
+        args = (input, self.output_size, self.return_indices) if with_indices else (input, self.output_size)
+        return run_or_fallback(self, input, lambda: fn(*args), lambda: base.forward(self, input))
+
+    return forward
+
+
+class AdaptiveAvgPool1d(nn.AdaptiveAvgPool1d):
+    """``torch.nn.AdaptiveAvgPool1d`` through ``tdnn.adaptive_avg_pool1d``."""
+
+    forward = _adaptive(ops.pool.adaptive_avg_pool1d, nn.AdaptiveAvgPool1d, False)
+
+
+class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """``torch.nn.AdaptiveAvgPool2d`` through ``tdnn.adaptive_avg_pool2d``."""
+
+    forward = _adaptive(ops.pool.adaptive_avg_pool2d, nn.AdaptiveAvgPool2d, False)
+
+
+class AdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
+    """``torch.nn.AdaptiveAvgPool3d`` through ``tdnn.adaptive_avg_pool3d``."""
+
+    forward = _adaptive(ops.pool.adaptive_avg_pool3d, nn.AdaptiveAvgPool3d, False)
+
+
+class AdaptiveMaxPool1d(nn.AdaptiveMaxPool1d):
+    """``torch.nn.AdaptiveMaxPool1d`` through ``tdnn.adaptive_max_pool1d``."""
+
+    forward = _adaptive(ops.pool.adaptive_max_pool1d, nn.AdaptiveMaxPool1d, True)
+
+
+class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
+    """``torch.nn.AdaptiveMaxPool2d`` through ``tdnn.adaptive_max_pool2d``."""
+
+    forward = _adaptive(ops.pool.adaptive_max_pool2d, nn.AdaptiveMaxPool2d, True)
+
+
+class AdaptiveMaxPool3d(nn.AdaptiveMaxPool3d):
+    """``torch.nn.AdaptiveMaxPool3d`` through ``tdnn.adaptive_max_pool3d``."""
+
+    forward = _adaptive(ops.pool.adaptive_max_pool3d, nn.AdaptiveMaxPool3d, True)
+
+
+class Upsample(nn.Upsample):
+    """``torch.nn.Upsample`` through ``tdnn.interpolate``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.size, self.scale_factor, self.mode, self.align_corners)
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.pool.interpolate(*args, recompute_scale_factor=self.recompute_scale_factor),
+            lambda: nn.Upsample.forward(self, input),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations, softmax, dropout.
+
+
+class ReLU(nn.ReLU):
+    """``torch.nn.ReLU`` through ``tdnn.relu``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.activation.relu(input, self.inplace),
+            lambda: nn.ReLU.forward(self, input),
+        )
+
+
+class LeakyReLU(nn.LeakyReLU):
+    """``torch.nn.LeakyReLU`` through ``tdnn.leaky_relu``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.negative_slope, self.inplace)
+        return run_or_fallback(
+            self, input, lambda: ops.activation.leaky_relu(*args), lambda: nn.LeakyReLU.forward(self, input)
+        )
+
+
+class GELU(nn.GELU):
+    """``torch.nn.GELU`` through ``tdnn.gelu``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.activation.gelu(input, self.approximate),
+            lambda: nn.GELU.forward(self, input),
+        )
+
+
+class SiLU(nn.SiLU):
+    """``torch.nn.SiLU`` through ``tdnn.silu``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.activation.silu(input, self.inplace),
+            lambda: nn.SiLU.forward(self, input),
+        )
+
+
+class Sigmoid(nn.Sigmoid):
+    """``torch.nn.Sigmoid`` through ``tdnn.sigmoid``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self, input, lambda: ops.activation.sigmoid(input), lambda: nn.Sigmoid.forward(self, input)
+        )
+
+
+class Tanh(nn.Tanh):
+    """``torch.nn.Tanh`` through ``tdnn.tanh``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self, input, lambda: ops.activation.tanh(input), lambda: nn.Tanh.forward(self, input)
+        )
+
+
+class ELU(nn.ELU):
+    """``torch.nn.ELU`` through ``tdnn.elu``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.alpha, self.inplace)
+        return run_or_fallback(
+            self, input, lambda: ops.activation.elu(*args), lambda: nn.ELU.forward(self, input)
+        )
+
+
+class Softplus(nn.Softplus):
+    """``torch.nn.Softplus`` through ``tdnn.softplus``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.beta, self.threshold)
+        return run_or_fallback(
+            self, input, lambda: ops.activation.softplus(*args), lambda: nn.Softplus.forward(self, input)
+        )
+
+
+class Softmax(nn.Softmax):
+    """``torch.nn.Softmax`` through ``tdnn.softmax``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.softmax.softmax(input, self.dim, _stacklevel=5),
+            lambda: nn.Softmax.forward(self, input),
+        )
+
+
+class LogSoftmax(nn.LogSoftmax):
+    """``torch.nn.LogSoftmax`` through ``tdnn.log_softmax``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.softmax.log_softmax(input, self.dim, _stacklevel=5),
+            lambda: nn.LogSoftmax.forward(self, input),
+        )
+
+
+class Dropout(nn.Dropout):
+    """``torch.nn.Dropout`` through ``tdnn.dropout`` (its Philox seed drawn from torch's default
+    generator, so ``torch.manual_seed`` reproduces a run, though not torch's own mask)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (input, self.p, self.training, self.inplace)
+        return run_or_fallback(
+            self, input, lambda: ops.dropout.dropout(*args), lambda: nn.Dropout.forward(self, input)
+        )

@@ -1,0 +1,196 @@
+"""tdnn.nn layers: each against its torch.nn class — outputs, every gradient (input and
+parameters) against a float64 copy, buffers, state_dict and repr."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tritondnn as tdnn
+import tritondnn.nn as tnn
+from helpers import DEVICE, assert_close, randn
+from tritondnn.core.errors import NotSupportedError
+
+
+def _as_ours(module: nn.Module) -> nn.Module:
+    """A tritondnn module with ``module``'s constructor state, built through state_dict as a user
+    loading a checkpoint would."""
+    ours = copy.deepcopy(module)
+    ours.__class__ = tnn.SUPPORTED[type(module)]
+    fresh = copy.deepcopy(module)
+    ours.load_state_dict(fresh.state_dict())
+    return ours
+
+
+def _run(module: nn.Module, x: torch.Tensor, dy_seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.detach().requires_grad_(True)
+    out = module(x)
+    out = out[0] if isinstance(out, tuple) else out
+    gen = torch.Generator(device="cpu").manual_seed(dy_seed)
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
+    leaves = [x, *(p for p in module.parameters() if p.requires_grad)]
+    grads = torch.autograd.grad(out, leaves, dy, allow_unused=True)
+    return out.detach(), [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
+
+
+def _check(module: nn.Module, x: torch.Tensor, what: str, train: bool = True) -> None:
+    """``module`` (torch's) vs its tritondnn class on the same weights, with a float64 copy as the
+    reference; buffers (running statistics) compared after the step."""
+    module = module.to(DEVICE).train(train)
+    ours = _as_ours(module)
+    assert type(ours).__name__ == type(module).__name__ and repr(ours) == repr(module)
+    assert list(ours.state_dict()) == list(module.state_dict())
+    wide = copy.deepcopy(module).double()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tritondnn falls back")  # tritondnn's path, not torch's
+        got, dgot = _run(ours, x, 1)
+    same, dsame = _run(module, x, 1)
+    ref, dref = _run(wide, x.double(), 1)
+    assert_close(got, ref, same, f"{what} output")
+    for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+        assert_close(a, b, c, f"{what} gradient {i}")
+    for (name, a), b, c in zip(ours.named_buffers(), wide.buffers(), module.buffers()):
+        if a.is_floating_point():
+            assert_close(a, b, c, f"{what} buffer {name}")
+        else:
+            assert torch.equal(a, c), f"{what} buffer {name}"
+
+
+CASES = {
+    "Conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), (2, 3, 7)),
+    "Conv1d circular": (lambda: nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"), (2, 3, 7)),
+    "Conv2d": (lambda: nn.Conv2d(2, 3, 3, stride=2, padding=1), (2, 2, 5, 6)),
+    "Conv2d unbatched": (lambda: nn.Conv2d(2, 3, 2, bias=False), (2, 4, 5)),
+    "Conv2d same": (lambda: nn.Conv2d(2, 2, 3, padding="same", groups=2), (1, 2, 5, 5)),
+    "Conv3d": (lambda: nn.Conv3d(2, 2, 2), (1, 2, 3, 4, 3)),
+    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(3, 2, 3, stride=2), (2, 3, 5)),
+    "ConvTranspose2d": (
+        lambda: nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1),
+        (1, 2, 4, 3),
+    ),
+    "ConvTranspose3d": (lambda: nn.ConvTranspose3d(2, 2, 2), (1, 2, 2, 3, 2)),
+    "Linear": (lambda: nn.Linear(12, 7), (3, 5, 12)),
+    "Linear no bias": (lambda: nn.Linear(9, 4, bias=False), (9,)),
+    "BatchNorm1d": (lambda: nn.BatchNorm1d(5), (6, 5)),
+    "BatchNorm1d momentum None": (lambda: nn.BatchNorm1d(3, momentum=None), (4, 3, 5)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(3), (2, 3, 4, 5)),
+    "BatchNorm2d no stats": (
+        lambda: nn.BatchNorm2d(3, track_running_stats=False, affine=False),
+        (2, 3, 3, 3),
+    ),
+    "BatchNorm3d": (lambda: nn.BatchNorm3d(2), (2, 2, 3, 2, 3)),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3, affine=True), (2, 3, 7)),
+    "InstanceNorm2d stats": (lambda: nn.InstanceNorm2d(3, track_running_stats=True), (2, 3, 4, 4)),
+    "InstanceNorm2d unbatched": (lambda: nn.InstanceNorm2d(3), (3, 4, 5)),
+    "InstanceNorm3d": (lambda: nn.InstanceNorm3d(2, affine=True), (1, 2, 3, 3, 3)),
+    "LayerNorm": (lambda: nn.LayerNorm((4, 6)), (3, 4, 6)),
+    "LayerNorm no bias": (lambda: nn.LayerNorm(8, bias=False), (5, 8)),
+    "RMSNorm": (lambda: nn.RMSNorm(8, eps=1e-6), (3, 8)),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 4), (2, 4, 3, 5)),
+    "LocalResponseNorm": (lambda: nn.LocalResponseNorm(3), (2, 5, 3, 3)),
+    "MaxPool1d": (lambda: nn.MaxPool1d(3, 2, 1), (2, 3, 9)),
+    "MaxPool2d": (lambda: nn.MaxPool2d(2, ceil_mode=True), (2, 3, 5, 5)),
+    "MaxPool2d indices": (lambda: nn.MaxPool2d(3, 2, 1, return_indices=True), (1, 2, 6, 6)),
+    "MaxPool3d": (lambda: nn.MaxPool3d(2), (1, 2, 4, 4, 4)),
+    "AvgPool1d": (lambda: nn.AvgPool1d(3, 2, 1, count_include_pad=False), (2, 3, 8)),
+    "AvgPool2d": (lambda: nn.AvgPool2d(3, 2, 1, divisor_override=4), (2, 2, 6, 5)),
+    "AvgPool3d": (lambda: nn.AvgPool3d(2), (1, 2, 4, 4, 2)),
+    "AdaptiveAvgPool1d": (lambda: nn.AdaptiveAvgPool1d(3), (2, 3, 7)),
+    "AdaptiveAvgPool2d": (lambda: nn.AdaptiveAvgPool2d((2, None)), (2, 3, 5, 4)),
+    "AdaptiveAvgPool3d": (lambda: nn.AdaptiveAvgPool3d(2), (1, 2, 3, 4, 5)),
+    "AdaptiveMaxPool1d": (lambda: nn.AdaptiveMaxPool1d(3), (2, 3, 7)),
+    "AdaptiveMaxPool2d": (lambda: nn.AdaptiveMaxPool2d(2, return_indices=True), (2, 3, 5, 4)),
+    "AdaptiveMaxPool3d": (lambda: nn.AdaptiveMaxPool3d(2), (1, 2, 3, 4, 5)),
+    "Upsample nearest": (lambda: nn.Upsample(scale_factor=2), (1, 2, 3, 4)),
+    "Upsample bilinear": (
+        lambda: nn.Upsample(size=(5, 7), mode="bilinear", align_corners=True),
+        (1, 2, 3, 4),
+    ),
+    "ReLU": (lambda: nn.ReLU(), (4, 9)),
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.2), (4, 9)),
+    "GELU tanh": (lambda: nn.GELU("tanh"), (4, 9)),
+    "SiLU": (lambda: nn.SiLU(), (4, 9)),
+    "Sigmoid": (lambda: nn.Sigmoid(), (4, 9)),
+    "Tanh": (lambda: nn.Tanh(), (4, 9)),
+    "ELU": (lambda: nn.ELU(0.5), (4, 9)),
+    "Softplus": (lambda: nn.Softplus(2.0, 5.0), (4, 9)),
+    "Softmax": (lambda: nn.Softmax(dim=1), (3, 5, 4)),
+    "LogSoftmax": (lambda: nn.LogSoftmax(dim=-1), (3, 7)),
+    "Dropout eval": (lambda: nn.Dropout(0.3), (4, 9)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_torch(name):
+    make, shape = CASES[name]
+    torch.manual_seed(0)  # the same weights for every engine's run of this case
+    module = make()
+    _check(module, randn(*shape), name, train="eval" not in name)
+
+
+def test_every_supported_class_is_tested():
+    tested = {type(make()).__name__ for make, _ in CASES.values()}
+    covered = tested | {"MultiheadAttention", "Dropout", "LSTM", "GRU", "RNN"}
+    missing = {cls.__name__ for cls in tnn.SUPPORTED} - covered
+    assert not missing, f"tdnn.nn classes without a test: {sorted(missing)}"
+
+
+def test_dropout_trains_with_tritondnn_masks():
+    """Training-mode dropout: zeros or x / (1 - p), the kept fraction near 1 - p, the gradient
+    through the same mask."""
+    drop = tnn.Dropout(0.25)
+    x = randn(64, 64).abs() + 0.5
+    x.requires_grad_(True)
+    y = drop(x)
+    kept = y != 0
+    assert torch.allclose(y[kept], x[kept] / 0.75)
+    assert abs(kept.float().mean().item() - 0.75) < 0.05
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.equal(g != 0, kept)
+
+
+def test_batch_norm_running_statistics_over_steps():
+    """num_batches_tracked and a cumulative average (momentum None) over three steps, then eval."""
+    torch.manual_seed(0)
+    theirs = nn.BatchNorm2d(3, momentum=None).to(DEVICE)
+    ours = _as_ours(theirs)
+    for _ in range(3):
+        x = randn(2, 3, 4, 4) * 3 + 1
+        ours(x), theirs(x)
+    assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 3
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+    torch.testing.assert_close(ours.running_var, theirs.running_var)
+    x = randn(2, 3, 4, 4)
+    torch.testing.assert_close(ours.eval()(x), theirs.eval()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_problem_falls_back_to_torch(monkeypatch):
+    """An engine-less problem runs torch's forward with a warning, once per reason."""
+
+    def decline(*args, **kwargs):
+        raise NotSupportedError("layer_norm", "test-problem", {"test-engine": ["declines"]})
+
+    monkeypatch.setattr(tdnn.ops.norm, "layer_norm", decline)
+    ln = tnn.LayerNorm(6).to(DEVICE)
+    x = randn(2, 6)
+    with pytest.warns(UserWarning, match="falls back to torch"):
+        y = ln(x)
+    torch.testing.assert_close(y, nn.LayerNorm.forward(ln, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ln(x)  # the same reason again: no second warning
+
+
+def test_constructors_and_state_dict_interchange():
+    """The constructor is torch's: a tritondnn module loads a torch state_dict and back."""
+    torch.manual_seed(0)
+    theirs = nn.Conv2d(3, 4, 3, padding=1, bias=True)
+    ours = tnn.Conv2d(3, 4, 3, padding=1, bias=True)
+    ours.load_state_dict(theirs.state_dict())
+    back = nn.Conv2d(3, 4, 3, padding=1)
+    back.load_state_dict(ours.state_dict())
+    assert torch.equal(back.weight, theirs.weight) and isinstance(ours, nn.Conv2d)

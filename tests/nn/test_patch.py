@@ -1,0 +1,189 @@
+"""tdnn.nn.patch / unpatch on whole models, autocast, and torch.compile tracing of patched models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tritondnn as tdnn
+import tritondnn.nn as tnn
+import tritondnn.nn.attention as tattn
+from helpers import DEVICE, ON_GPU, randn
+
+
+class Block(nn.Module):
+    """A small conv net with a residual path, a norm, pooling and a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.flat = nn.Flatten()
+        self.head = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.conv(x))) + x.mean(1, keepdim=True)
+        return self.head(self.flat(self.pool(h)))
+
+
+class MyLinear(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+def test_patch_replaces_in_place_and_trains_like_torch():
+    torch.manual_seed(0)
+    model = Block().to(DEVICE)
+    reference = copy.deepcopy(model)
+    params_before = [id(p) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    report = tnn.patch(model)
+    replaced = dict(report.replaced)
+    assert replaced == {
+        "conv": "Conv2d", "bn": "BatchNorm2d", "act": "ReLU", "pool": "AdaptiveAvgPool2d",
+        "head.0": "Linear", "head.1": "GELU", "head.2": "LayerNorm", "head.3": "Linear",
+    }  # fmt: skip
+    assert ("flat", "Flatten", "no tritondnn module for this class") in report.skipped
+    assert isinstance(model.conv, tnn.Conv2d) and [id(p) for p in model.parameters()] == params_before
+    assert "8 replaced" in str(report)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        x, target = randn(4, 3, 5, 5), torch.randint(0, 3, (4,), device=DEVICE)
+        losses = []
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = F.cross_entropy(m(x), target)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-5), f"step {step}"
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    assert tnn.unpatch(model) == 8 and type(model.conv) is nn.Conv2d and type(model.head[0]) is nn.Linear
+
+
+def test_include_exclude_and_user_subclasses():
+    model = nn.Sequential(nn.Conv1d(2, 2, 1), MyLinear(3, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 3)))
+    report = tnn.patch(model, include=["Conv*", nn.Linear, "3.*"], exclude=["3.0"])
+    assert dict(report.replaced) == {"0": "Conv1d"}
+    skipped = {name: why for name, _, why in report.skipped}
+    assert skipped["1"].startswith("subclass of torch.nn.Linear")
+    assert skipped["2"] == "not included" and skipped["3.0"] == "excluded"
+    assert tnn.patch(model).replaced == [("2", "ReLU"), ("3.0", "Linear")]  # already-patched ones kept
+    assert tnn.unpatch(model) == 3
+
+
+def test_patched_state_dict_round_trips():
+    torch.manual_seed(0)
+    model = Block()
+    state = copy.deepcopy(model.state_dict())
+    tnn.patch(model)
+    assert list(model.state_dict()) == list(state)
+    fresh = Block()
+    fresh.load_state_dict(model.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+
+
+def test_patch_routes_sdpa_during_forward(monkeypatch):
+    calls = []
+    real = tattn.sdpa
+    monkeypatch.setattr(tattn, "sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class Attend(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    model = Attend()
+    report = tnn.patch(model, sdpa=True)
+    assert report.sdpa and "routed" in str(report)
+    q = randn(1, 2, 4, 8)
+    torch.testing.assert_close(model(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert calls == [1]  # only the call inside the model's forward
+    tnn.unpatch(model)
+    model(q)
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Autocast: the output dtype PyTorch gives, per op, on the device the suite runs on.
+
+AUTOCAST_CASES = {
+    "linear": (lambda x: tdnn.linear(x, randn(5, 8)), lambda x: F.linear(x, randn(5, 8))),
+    "matmul": (lambda x: tdnn.matmul(x, randn(8, 4)), lambda x: torch.matmul(x, randn(8, 4))),
+    "conv2d": (
+        lambda x: tdnn.conv2d(x.view(1, 2, 4, 4), randn(3, 2, 3, 3)),
+        lambda x: F.conv2d(x.view(1, 2, 4, 4), randn(3, 2, 3, 3)),
+    ),
+    "layer_norm": (lambda x: tdnn.layer_norm(x, (8,)), lambda x: F.layer_norm(x, (8,))),
+    "group_norm": (lambda x: tdnn.group_norm(x.view(2, 4, 4), 2), lambda x: F.group_norm(x.view(2, 4, 4), 2)),
+    "softmax": (lambda x: tdnn.softmax(x, -1), lambda x: F.softmax(x, -1)),
+    "log_softmax": (lambda x: tdnn.log_softmax(x, -1), lambda x: F.log_softmax(x, -1)),
+    "softplus": (lambda x: tdnn.softplus(x), lambda x: F.softplus(x)),
+    "sdpa": (
+        lambda x: tdnn.sdpa(*(x.view(1, 1, 4, 8),) * 3),
+        lambda x: F.scaled_dot_product_attention(*(x.view(1, 1, 4, 8),) * 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_CASES))
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_casts_as_pytorch(name, input_dtype):
+    ours, theirs = AUTOCAST_CASES[name]
+    x = randn(4, 8, dtype=input_dtype)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        expected = theirs(x)
+        got = ours(x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:  # fp32 math: the values must agree too
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_module_gradients_reach_fp32_weights():
+    torch.manual_seed(0)
+    lin = tnn.Linear(8, 4).to(DEVICE)
+    x = randn(3, 8)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.mark.skipif(
+    not ON_GPU, reason="GPU only: inductor's CPU code generation needs a C++ compiler run (slow)"
+)
+def test_compiled_patched_model_matches_eager_inductor():
+    torch.manual_seed(0)
+    model = Block().to(DEVICE)
+    tnn.patch(model)
+    compiled = torch.compile(model, fullgraph=True)
+    x = randn(4, 3, 5, 5)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_patched_model_traces_in_one_graph():
+    """fullgraph=True: tritondnn adds no graph break; aot_eager runs the fake kernels' shapes and
+    then the real ops, forward and backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block().to(DEVICE)
+    reference = copy.deepcopy(model)
+    tnn.patch(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = randn(4, 3, 5, 5)
+    out = compiled(x)
+    out.sum().backward()
+    expected = reference(x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.conv.weight.grad, reference.conv.weight.grad, rtol=1e-4, atol=1e-5)

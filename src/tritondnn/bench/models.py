@@ -1,0 +1,252 @@
+"""Whole models trained with tritondnn patched in, against the same model in plain PyTorch.
+
+Three models are defined here (no weights downloaded): a ResNet (ResNet-50's bottleneck layout), a
+GPT-2-style decoder (its attention calls ``F.scaled_dot_product_attention``, routed through
+``tdnn.sdpa`` by ``patch(..., sdpa=True)``) and a 2-layer LSTM language model. ``compare``
+trains two copies from the same seed on the same random batches, one patched, and returns both
+loss curves and step times; the ``models`` bench suite times one training step per provider:
+tritondnn-patched, PyTorch eager and torch.compile of the unpatched model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.backend import DEVICE_TYPE, INTERPRET
+from . import Case, compiled, providers
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1 reduce, 3x3 (strided), 1x1 expand (4x), identity or projected skip."""
+
+    def __init__(self, inputs: int, width: int, stride: int) -> None:
+        super().__init__()
+        out = width * 4
+        self.conv1, self.bn1 = nn.Conv2d(inputs, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(inputs, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+            if stride != 1 or inputs != out
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        return self.relu(self.bn3(self.conv3(y)) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-50 with ``blocks=(3, 4, 6, 3)`` and ``width=64``; smaller settings for tests."""
+
+    def __init__(self, blocks: tuple[int, ...] = (3, 4, 6, 3), width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )  # fmt: skip
+        layers, inputs = [], width
+        for i, n in enumerate(blocks):
+            for j in range(n):
+                layers.append(Bottleneck(inputs, width * 2**i, 2 if j == 0 and i > 0 else 1))
+                inputs = width * 2**i * 4
+        self.layers = nn.Sequential(*layers)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(inputs, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (
+            t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).split(d, -1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim), CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 small with the defaults (12 layers, 768 wide, 12 heads, 1024 positions)."""
+
+    def __init__(
+        self, vocab: int = 50257, dim: int = 768, layers: int = 12, heads: int = 12, seq: int = 1024
+    ):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.Sequential(*(DecoderBlock(dim, heads) for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.ln(self.blocks(self.tokens(ids) + self.positions(pos))))
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding, a 2-layer LSTM (batch_first) and a projection to the vocabulary."""
+
+    def __init__(self, vocab: int = 10000, hidden: int = 1024, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(ids))[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Training.
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model, how to make one random batch (input, target) and the optimizer it trains with."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    channels_last: bool = False
+
+
+def workloads(tiny: bool) -> list[Workload]:
+    """The issue's three models; ``tiny`` shrinks them to CPU (interpreter) size."""
+    dev = DEVICE_TYPE
+
+    def images(n: int, size: int, classes: int):
+        return lambda g: (
+            torch.randn(n, 3, size, size, generator=g).to(dev),
+            torch.randint(0, classes, (n,), generator=g).to(dev),
+        )
+
+    def tokens(b: int, s: int, vocab: int):
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = torch.randint(0, vocab, (b, s + 1), generator=g).to(dev)
+            return ids[:, :-1], ids[:, 1:]
+
+        return batch
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4)
+    if tiny:
+        return [
+            Workload("resnet", lambda: ResNet((1, 1), 4, 10), images(2, 16, 10), sgd, True),
+            Workload("gpt", lambda: GPT(64, 32, 2, 2, 16), tokens(2, 16, 64), adamw),
+            Workload("lstm_lm", lambda: LSTMLanguageModel(64, 16), tokens(2, 8, 64), adamw),
+        ]
+    return [
+        Workload("resnet50 N128 224 bf16 NHWC", ResNet, images(128, 224, 1000), sgd, True),
+        Workload("gpt2-small B8 S1024 bf16", GPT, tokens(8, 1024, 50257), adamw),
+        Workload("lstm_lm 2x1024 T128 B64 bf16", LSTMLanguageModel, tokens(64, 128, 10000), adamw),
+    ]
+
+
+def _step_fn(
+    model: nn.Module, opt: torch.optim.Optimizer, low_precision: bool
+) -> Callable[..., torch.Tensor]:
+    def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16, enabled=low_precision):
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def _pair(w: Workload) -> tuple[nn.Module, nn.Module]:
+    """(patched, plain): the same initial weights."""
+    from ..nn import patch
+
+    torch.manual_seed(0)
+    plain = w.make_model().to(DEVICE_TYPE)
+    if w.channels_last:
+        plain = plain.to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(plain)
+    patch(ours, sdpa=True)
+    return ours, plain
+
+
+def compare(w: Workload, steps: int, low_precision: bool) -> dict[str, list[float]]:
+    """Train a patched and a plain copy ``steps`` steps on the same batches; losses and step
+    times (seconds, host-synchronized) of each."""
+    ours, plain = _pair(w)
+    out: dict[str, list[float]] = {}
+    for name, model in (("tritondnn", ours), ("torch", plain)):
+        step = _step_fn(model, w.make_optimizer(model), low_precision)
+        gen = torch.Generator().manual_seed(1)
+        losses, times = [], []
+        for _ in range(steps):
+            x, target = w.make_batch(gen)
+            if w.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            start = time.perf_counter()
+            loss = step(x, target).item()  # .item() waits for the step
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+        out[f"{name} loss"], out[f"{name} s"] = losses, times
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Bench suite.
+
+
+def cases(quick: bool = False) -> Iterator[Case]:
+    """One training step (forward, backward, optimizer) per provider; the suite's compile anchors
+    are dropped in quick mode (each compiles a whole model)."""
+    for w in workloads(tiny=INTERPRET):
+        ours, plain = _pair(w)
+        gen = torch.Generator().manual_seed(1)
+        x, target = w.make_batch(gen)
+        if w.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        low = not INTERPRET
+        step_ours = _step_fn(ours, w.make_optimizer(ours), low)
+        step_plain = _step_fn(plain, w.make_optimizer(plain), low)
+        compile_plain = None
+        if not quick:
+            twin = copy.deepcopy(plain)
+            compile_plain = compiled(_step_fn(twin, w.make_optimizer(twin), low), x, target)
+        yield Case(
+            f"{w.name} train step",
+            providers(
+                tritondnn=lambda s=step_ours, x=x, t=target: s(x, t),
+                torch=lambda s=step_plain, x=x, t=target: s(x, t),
+                torch_compile=compile_plain,
+            ),
+        )

@@ -343,3 +343,24 @@ def test_large(layout):
         [dy],
         "gn",
     )
+
+
+def test_backward_reduce_and_apply_split_matches_batch_norm():
+    """The backward's two halves as SyncBatchNorm calls them, with the sums pre-divided."""
+    x = _x(shape=(5, 6, 3, 4), offset=20.0).to(memory_format=torch.channels_last)
+    w, dy = randn(6), randn(5, 6, 3, 4)
+    total, total_sq, shift, count = norm.batch_norm_stats(x)
+    _, mean, invstd = norm.batch_norm_apply(x, total, total_sq, shift, count, w)
+    sum_dy, sum_dy_xhat = norm.batch_norm_backward_reduce(dy, x, mean, invstd, w)
+    dx = norm.batch_norm_backward_apply(dy, x, mean, invstd, w, sum_dy / count, sum_dy_xhat / count, 1.0)
+    wide = [t.double().requires_grad_(True) for t in (x, w)]
+    F.batch_norm(wide[0], None, None, wide[1], None, training=True).backward(dy.double())
+    same = [t.detach().requires_grad_(True) for t in (x, w)]
+    F.batch_norm(same[0], None, None, same[1], None, training=True).backward(dy)
+    assert_close(dx, wide[0].grad, same[0].grad, "dx")
+    assert_close(sum_dy_xhat, wide[1].grad, same[1].grad, "dweight")
+    assert_close(sum_dy, dy.double().sum((0, 2, 3)), dy.sum((0, 2, 3)), "dbias")
+    with pytest.raises(ValueError, match="'count'"):
+        norm.batch_norm_backward_apply(dy, x, mean, invstd, w, sum_dy, sum_dy_xhat, 0.0)
+    with pytest.raises(ValueError, match="grad_output"):
+        norm.batch_norm_backward_reduce(dy[:, :3], x, mean, invstd, w)

@@ -54,6 +54,7 @@ from .layers import (
     Upsample,
 )
 from .patch import SUPPORTED, PatchReport, patch, unpatch
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "ELU",
@@ -98,6 +99,7 @@ __all__ = [
     "Sigmoid",
     "Softmax",
     "Softplus",
+    "SyncBatchNorm",
     "Tanh",
     "Upsample",
     "patch",

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ...core.backend import multiprocessor_count
-from ...core.checks import check_float, check_tensor
+from ...core.checks import check_float, check_like, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
 from ...core.library import custom_op
@@ -285,7 +285,7 @@ def _backward_apply_kernel(
 class BatchNormProblem(Problem):
     """One step over an (N, C, S) view with strides (n, c, s) shared by the step's tensors."""
 
-    step: str  # "stats", "apply" or "backward"
+    step: str  # "stats", "apply", "backward", or its halves "backward_reduce" / "backward_apply"
     training: bool
     update_running: bool
     has_w: bool
@@ -421,11 +421,21 @@ class TiledEngine(Engine[BatchNormProblem]):
             num_warps=warps,
         )
 
-        def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
+        def backward_reduce(dy, x, mean, rstd, w, b, p0, p1) -> tuple[torch.Tensor, torch.Tensor]:
             dsum = mean.new_empty((splits, p.channels))
             dxsum = torch.empty_like(dsum)
             reduce(dy, x, mean, rstd, w, b, dsum, dxsum, p0, p1)
-            dsum, dxsum = dsum.sum(0), dxsum.sum(0)  # fixed order over the splits: deterministic
+            return dsum.sum(0), dxsum.sum(0)  # fixed order over the splits: deterministic
+
+        if p.step == "backward_reduce":
+            return backward_reduce
+        if p.step == "backward_apply":
+            return lambda dy, x, mean, rstd, w, b, dsum, dxsum, dx, count, p0, p1: apply_grad(
+                dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count)
+            )
+
+        def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
+            dsum, dxsum = backward_reduce(dy, x, mean, rstd, w, b, p0, p1)
             apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
             if dw.numel():
                 dw.copy_(dxsum)
@@ -707,3 +717,51 @@ def batch_norm_apply(
             True, momentum, eps, act, p0, p1,
         )  # fmt: skip
     return y, mean, rstd
+
+
+def batch_norm_backward_reduce(
+    grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The first half of batch norm's training backward, on its own so a distributed wrapper can
+    all-reduce its sums: per-channel fp32 ``sum(dy)`` and ``sum(dy * x_hat)`` with
+    ``x_hat = (x - mean) * invstd`` (these are also dbias and dweight). ``mean``/``invstd`` are
+    the fp32 statistics ``batch_norm_apply`` returned."""
+    op = "tdnn.batch_norm_backward_reduce"
+    _check_channels(op, input, mean=mean, invstd=invstd, weight=weight)
+    check_like(op, "grad_output", grad_output, "input", input)
+    if input.numel() == 0:
+        zeros = torch.zeros(input.shape[1], dtype=_stats_dtype(input), device=input.device)
+        return zeros, zeros.clone()
+    x, _ = dense_ncs(input, torch.empty_like(input))
+    dy = in_layout(grad_output, x)
+    w = weight if weight is not None else x
+    mean, invstd = (t.to(_stats_dtype(x)).contiguous() for t in (mean, invstd))
+    args = (dy, x, mean, invstd, w, x, 0.0, 0.0)
+    return _plan("backward_reduce", x, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+
+
+def batch_norm_backward_apply(
+    grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+    weight: torch.Tensor | None, sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor, count: float,
+) -> torch.Tensor:  # fmt: skip
+    """The second half: ``dx = weight * invstd * (dy - sum_dy / count - x_hat * sum_dy_xhat /
+    count)`` in the input's layout, from (all-reduced) ``batch_norm_backward_reduce`` sums over
+    ``count`` values per channel (a float: the sums may come pre-divided with ``count=1``)."""
+    op = "tdnn.batch_norm_backward_apply"
+    _check_channels(
+        op, input, mean=mean, invstd=invstd, weight=weight, sum_dy=sum_dy, sum_dy_xhat=sum_dy_xhat
+    )
+    check_like(op, "grad_output", grad_output, "input", input)
+    count = check_float(op, "count", count)
+    if count <= 0:
+        raise ValueError(f"{op}: argument 'count'={count} must be positive")
+    if input.numel() == 0:
+        return torch.empty_like(input)
+    x, dx = dense_ncs(input, torch.empty_like(input))
+    dy = in_layout(grad_output, dx)
+    w = weight if weight is not None else x
+    stats = [t.to(_stats_dtype(x)).contiguous() for t in (mean, invstd, sum_dy, sum_dy_xhat)]
+    args = (dy, x, stats[0], stats[1], w, x, stats[2], stats[3], dx, count, 0.0, 0.0)
+    _plan("backward_apply", dx, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+    return dx

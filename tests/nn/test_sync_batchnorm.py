@@ -1,0 +1,97 @@
+"""tdnn.nn.SyncBatchNorm with the gloo backend and two processes: values, gradients and running
+statistics against one BatchNorm over the concatenated batch, with uneven batch sizes."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import tritondnn.nn as tnn
+from helpers import ON_GPU
+
+pytestmark = pytest.mark.skipif(
+    ON_GPU, reason="gloo over CPU tensors runs in CI; on GPUs the NCCL runs use torchrun (2 GPUs)"
+)
+
+SIZES = (3, 5)  # rows per rank: uneven on purpose
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(channels_last: bool):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(SIZES), 4, 3, 3, generator=gen) * 2 + 50  # a large mean
+    dy = torch.randn(x.shape, generator=gen)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, dy
+
+
+def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=len(SIZES))
+    try:
+        torch.manual_seed(0)
+        bn = nn.BatchNorm2d(4, momentum=0.3)
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+        model = tnn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(bn))
+        assert type(model[0]) is tnn.SyncBatchNorm
+        x, dy = _data(channels_last)
+        start = sum(SIZES[:rank])
+        xs = x[start : start + SIZES[rank]].detach().requires_grad_(True)
+        y = model(xs)
+        y.backward(dy[start : start + SIZES[rank]])
+        torch.save(
+            {"y": y.detach(), "dx": xs.grad, "dw": model[0].weight.grad, "db": model[0].bias.grad,
+             "rm": model[0].running_mean, "rv": model[0].running_var},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_matches_batch_norm_over_the_global_batch(tmp_path, channels_last):
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path), channels_last), nprocs=len(SIZES), start_method="fork"
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(SIZES))]
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+    bn = bn.double()
+    x, dy = _data(channels_last)
+    x = x.double().requires_grad_(True)
+    y = bn(x)
+    y.backward(dy.double())
+    got = {k: torch.cat([r[k] for r in ranks]) for k in ("y", "dx")}
+    torch.testing.assert_close(got["y"].double(), y.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["dx"].double(), x.grad, rtol=1e-4, atol=1e-4)
+    # parameter gradients are per rank (DDP sums/averages them): their sum is the global one
+    torch.testing.assert_close(sum(r["dw"] for r in ranks).double(), bn.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sum(r["db"] for r in ranks).double(), bn.bias.grad, rtol=1e-4, atol=1e-4)
+    for r in ranks:  # every rank updates its running statistics with the global ones
+        torch.testing.assert_close(r["rm"].double(), bn.running_mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["rv"].double(), bn.running_var, rtol=1e-4, atol=1e-4)
+
+
+def test_single_process_is_batch_norm():
+    torch.manual_seed(0)
+    theirs = nn.SyncBatchNorm(3)
+    ours = tnn.SyncBatchNorm(3)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(4, 3, 5)
+    torch.testing.assert_close(ours(x), nn.BatchNorm1d.forward(theirs, x), rtol=1e-5, atol=1e-5)
+    assert repr(ours) == repr(theirs) and isinstance(ours, nn.SyncBatchNorm)

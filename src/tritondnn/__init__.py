@@ -130,6 +130,7 @@ __all__ = [
     "max_pool1d",
     "max_pool2d",
     "max_pool3d",
+    "nn",
     "op_tensor",
     "quantize_fp8",
     "reduce_tensor",
@@ -145,3 +146,6 @@ __all__ = [
     "tanh",
     "transform_tensor",
 ]
+
+# Last: the modules build on the functional ops above.
+from . import nn

@@ -116,12 +116,18 @@ class _ConvFunction(torch.autograd.Function):
             )[0]
         if need_w:
             dw = _wgrad_op(x, d, list(w.shape), stride, pad_pre, dilation, groups, None)
-            dw = dw if alpha == 1.0 else dw * alpha
+            dw = _like_param(dw if alpha == 1.0 else dw * alpha, w)
         if need_c:
             dc = (dpre * beta).to(ctx.dtypes[0])
         if need_res:
             dres = grad.to(ctx.dtypes[1])
         return dx, dw, dbias, dc, dres, *(None,) * 9
+
+
+def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``param``'s strides (autograd's gradient layout contract: DDP's buckets and
+    optimizers expect it), copied only when they differ."""
+    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
 
 
 class _ConvTransposeFunction(torch.autograd.Function):
@@ -203,7 +209,7 @@ class _ConvTransposeFunction(torch.autograd.Function):
             )[0]
         if need_w:
             dw = _wgrad_op(d, x, list(w.shape), stride, pad_pre, dilation, groups, None)
-            dw = dw if alpha == 1.0 else dw * alpha
+            dw = _like_param(dw if alpha == 1.0 else dw * alpha, w)
         if need_c:
             dc = (dpre * beta).to(ctx.dtypes[0])
         if need_res:

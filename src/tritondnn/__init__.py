@@ -67,6 +67,7 @@ from .ops.pool import (
     max_pool3d,
 )
 from .ops.reduce import reduce_tensor
+from .ops.rnn import gru, lstm, rnn
 from .ops.softmax import log_softmax, softmax
 from .ops.spatial import affine_grid, grid_sample
 from .ops.tensor_ops import op_tensor
@@ -119,6 +120,7 @@ __all__ = [
     "gelu",
     "grid_sample",
     "group_norm",
+    "gru",
     "instance_norm",
     "interpolate",
     "layer_norm",
@@ -126,6 +128,7 @@ __all__ = [
     "linear",
     "local_response_norm",
     "log_softmax",
+    "lstm",
     "matmul",
     "max_pool1d",
     "max_pool2d",
@@ -136,6 +139,7 @@ __all__ = [
     "reduce_tensor",
     "relu",
     "rms_norm",
+    "rnn",
     "sdpa",
     "sdpa_backward",
     "sigmoid",

@@ -23,7 +23,7 @@ from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
 from .ops import attention as att
-from .ops import conv, ctc, norm, pool, spatial
+from .ops import conv, ctc, norm, pool, rnn, spatial
 from .ops import dropout as dr
 from .ops import matmul as mm
 from .ops import reduce as rd
@@ -48,6 +48,21 @@ def _w(*shape: int, like: torch.Tensor) -> torch.Tensor:
     """A fixed weight (seeded generator) scaled by 1/sqrt(fan-in), in ``like``'s dtype and device."""
     g = torch.Generator().manual_seed(0)
     return (torch.randn(*shape, generator=g) / math.sqrt(math.prod(shape[1:]))).to(like)
+
+
+def _seq(x: torch.Tensor) -> torch.Tensor:
+    """x as a sequence (T=16, B=4, I=64) for the recurrent primitives."""
+    return x[:64, :64].reshape(16, 4, 64)
+
+
+def _lstm_params(x: torch.Tensor) -> list[torch.Tensor]:
+    """One LSTM layer's flat weights (hidden 32): w_ih, w_hh, b_ih, b_hh."""
+    return [_w(128, 64, like=x), _w(128, 32, like=x), _w(128, like=x), _w(128, like=x)]
+
+
+def _lstm_torch(x: torch.Tensor) -> torch.Tensor:
+    h0 = x.new_zeros(1, 4, 32)
+    return torch.lstm(_seq(x), (h0, h0), _lstm_params(x), True, 1, 0.0, False, False, False)[0]
 
 
 RELU = Epilogue(activation="relu")
@@ -159,6 +174,7 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
         partial(norm.batch_norm, running_mean=None, running_var=None, training=True),
         partial(F.batch_norm, running_mean=None, running_var=None, training=True),
     ),
+    "lstm T16 B4 H32": (lambda x: rnn.lstm(_seq(x), None, _lstm_params(x))[0], _lstm_torch),
 }
 
 

@@ -112,6 +112,13 @@ def test_patch_routes_sdpa_during_forward(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # Autocast: the output dtype PyTorch gives, per op, on the device the suite runs on.
 
+_LSTM_FLAGS = (True, 1, 0.0, False, False, False)  # bias, layers, dropout, train, bidirectional, batch_first
+
+
+def _lstm_weights() -> list[torch.Tensor]:
+    return [randn(16, 8), randn(16, 4), randn(16), randn(16)]
+
+
 AUTOCAST_CASES = {
     "linear": (lambda x: tdnn.linear(x, randn(5, 8)), lambda x: F.linear(x, randn(5, 8))),
     "matmul": (lambda x: tdnn.matmul(x, randn(8, 4)), lambda x: torch.matmul(x, randn(8, 4))),
@@ -124,6 +131,10 @@ AUTOCAST_CASES = {
     "softmax": (lambda x: tdnn.softmax(x, -1), lambda x: F.softmax(x, -1)),
     "log_softmax": (lambda x: tdnn.log_softmax(x, -1), lambda x: F.log_softmax(x, -1)),
     "softplus": (lambda x: tdnn.softplus(x), lambda x: F.softplus(x)),
+    "lstm": (
+        lambda x: tdnn.lstm(x.view(4, 1, 8), None, _lstm_weights())[0],
+        lambda x: torch.lstm(x.view(4, 1, 8), (x.new_zeros(1, 1, 4),) * 2, _lstm_weights(), *_LSTM_FLAGS)[0],
+    ),
     "sdpa": (
         lambda x: tdnn.sdpa(*(x.view(1, 1, 4, 8),) * 3),
         lambda x: F.scaled_dot_product_attention(*(x.view(1, 1, 4, 8),) * 3),

@@ -25,7 +25,7 @@ import triton
 from ..core.backend import INTERPRET, device_name
 from ..core.timing import host_us_per_call, median_ms
 
-SUITES = ("activation", "softmax", "norm", "pool", "matmul", "attention", "conv", "misc", "models")
+SUITES = ("activation", "softmax", "norm", "pool", "matmul", "attention", "conv", "rnn", "misc", "models")
 
 
 @dataclasses.dataclass

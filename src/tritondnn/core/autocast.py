@@ -36,7 +36,10 @@ def _device_type(args: tuple, kwargs: dict) -> str | None:
 
 
 def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
-    """Autocast's rule: float64 tensors are never cast; other floating tensors are."""
+    """Autocast's rule: float64 tensors are never cast; other floating tensors are, also inside a
+    list or tuple (an RNN's flat weights, its (h0, c0))."""
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cast(v, policy, dtype) for v in value)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
     if policy == LOWER:

@@ -54,11 +54,15 @@ from .layers import (
     Upsample,
 )
 from .patch import SUPPORTED, PatchReport, patch, unpatch
+from .rnn import GRU, LSTM, RNN
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "ELU",
     "GELU",
+    "GRU",
+    "LSTM",
+    "RNN",
     "SUPPORTED",
     "AdaptiveAvgPool1d",
     "AdaptiveAvgPool2d",

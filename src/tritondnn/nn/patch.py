@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from . import attention, layers, sync_batchnorm
+from . import attention, layers, rnn, sync_batchnorm
 
 # torch.nn class -> tritondnn class, filled from the modules that subclass exactly one of torch's.
 SUPPORTED: dict[type[nn.Module], type[nn.Module]] = {}
@@ -34,6 +34,9 @@ register(
         if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == layers.__name__
     ),
     attention.MultiheadAttention,
+    rnn.LSTM,
+    rnn.GRU,
+    rnn.RNN,
     sync_batchnorm.SyncBatchNorm,
 )
 _ORIGINAL = {ours: theirs for theirs, ours in SUPPORTED.items()}

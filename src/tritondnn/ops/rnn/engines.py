@@ -1,0 +1,391 @@
+"""The recurrent family's problem and engines: cuDNN's persistent and standard RNN algorithms.
+
+One problem is one layer's recurrence (both directions together), forward or backward.
+
+* ``persistent``: one program per (batch block, direction) runs every step with W_hh (and W_hr)
+  loaded once, held on chip (registers / shared memory) for the whole sequence, and the state in
+  registers: cuDNN's persistent algorithm, for weights that fit one program.
+* ``persistent-tiled``: the same program per (batch block, direction) looping over steps, but
+  over tiles of hidden units too, streaming the weights from L1/L2 each step and passing the
+  state through a global double buffer. Owning all of H for its rows, a program needs only its
+  own barrier per step, never a grid-wide one (which would need every program resident at once,
+  a cooperative launch, and could not run under the interpreter, whose programs run one after
+  another). Good while the weights stay in L1 or the batch gives enough programs; each program
+  rereads all of W_hh every step, so for large H it is bounded by one multiprocessor's cache
+  bandwidth.
+* ``per-step``: one launch per step (two with a projection, two per step backward), a program
+  per (hidden tile, batch block, direction): many more programs, each reading only its slice of
+  the weights, at the cost of a launch per step. The fallback for large hidden sizes.
+
+Costs are microseconds on an H100-class GPU from a small model: the step's products at one
+multiprocessor's rate, the weight bytes it rereads at its cache bandwidth, a fixed latency per
+step (dependent loads, products and barriers) and per launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.config import config
+from ...core.engine import Choice, Engine, Family, LaunchConfig, Problem
+from ...core.errors import NotSupportedError
+from ...core.launcher import cdiv, launcher
+from . import kernels as K
+from .reference import GATES
+
+CELL_IDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
+# Weights (W_hh and W_hr elements, padded) that one resident program keeps on chip: with 8 warps,
+# 64 fp32 registers a thread; 16-bit weights take half the registers.
+RESIDENT_ELEMENTS = {"float64": 8192, "float32": 16384, "float16": 32768, "bfloat16": 32768}
+
+_FLOPS_PER_SM_US = {"float64": 0.25e6, "float32": 0.38e6, "tf32": 2.0e6, "float16": 3.0e6, "bfloat16": 3.0e6}
+_L1_BYTES_PER_SM_US = 150e3
+_L2_BYTES_PER_SM_US = 40e3
+_L1_BYTES = 160 * 1024
+_STEP_US = 1.5
+_LAUNCH_US = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RNNProblem(Problem):
+    """One layer's recurrence. ``state``: the state width P (``hidden``, or the LSTM projection
+    size); ``save``: a forward pass keeping what the backward pass needs."""
+
+    cell: str
+    backward: bool
+    save: bool
+    dtype: str
+    steps: int
+    batch: int
+    hidden: int
+    state: int
+    directions: int
+    bias: bool
+    lengths: bool
+    tf32: bool
+
+    @property
+    def gates(self) -> int:
+        return GATES[self.cell]
+
+    @property
+    def proj(self) -> bool:
+        return self.state != self.hidden
+
+    @property
+    def slots(self) -> int:
+        """NS: time slots of the state buffers."""
+        return self.steps + 1 if self.save or self.backward else 2
+
+    @property
+    def elem(self) -> int:
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
+
+    def resident_elements(self) -> int:
+        h, p = _pad(self.hidden), _pad(self.state)
+        return self.gates * h * p + (h * p if self.proj else 0)
+
+    def weight_elements(self) -> int:
+        return self.gates * self.hidden * self.state + (self.hidden * self.state if self.proj else 0)
+
+    def rate(self) -> float:
+        return _FLOPS_PER_SM_US["tf32" if self.tf32 else self.dtype]
+
+
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def dot_constexprs(p: RNNProblem) -> tuple:
+    """ACC, PRECISION, UPCAST for the kernels' products."""
+    acc = tl.float64 if p.dtype == "float64" else tl.float32
+    return acc, "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16"
+
+
+def _describe(
+    input: torch.Tensor,
+    hidden_size: int,
+    mode: str = "lstm",
+    *,
+    proj_size: int = 0,
+    bidirectional: bool = False,
+    batch_first: bool = False,
+    bias: bool = True,
+    backward: bool = False,
+) -> RNNProblem:
+    """The problem one layer of ``tdnn.lstm``/``gru``/``rnn`` on ``input`` poses (``mode``: "lstm",
+    "gru", "rnn_tanh", "rnn_relu"); ``backward`` for the backward pass."""
+    steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+    dtype = str(input.dtype).removeprefix("torch.")
+    return RNNProblem(
+        mode, backward, backward, dtype, steps, batch, hidden_size, proj_size or hidden_size,
+        2 if bidirectional else 1, bias, False, config.allow_tf32 and dtype == "float32",
+    )  # fmt: skip
+
+
+FAMILY: Family[RNNProblem] = Family("rnn", _describe)
+
+
+def choose(problem: RNNProblem, algo: str | None, timing_args: Callable | None) -> Choice:
+    """The forced ``algo`` (``NotSupportedError`` with its reasons when it cannot run the
+    problem), else the family's selection (heuristic, or timing in benchmark mode)."""
+    if algo is None:
+        return FAMILY.select(problem, timing_args)
+    for engine in FAMILY.engines:
+        if engine.name == algo:
+            reasons = engine.not_supported_reasons(problem)
+            if reasons:
+                raise NotSupportedError(FAMILY.name, problem.key(), {engine.name: reasons})
+            return Choice(engine, engine.configs(problem)[0])
+    names = ", ".join(repr(e.name) for e in FAMILY.engines)
+    raise ValueError(f"tdnn.{problem.cell.split('_')[0]}: argument 'algo'={algo!r}; accepted: None, {names}")
+
+
+def _sm_count() -> int:
+    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
+
+
+def _block_b(p: RNNProblem, cap: int) -> int:
+    return 16 if INTERPRET else min(cap, _pad(p.batch))
+
+
+def _ints(p: RNNProblem) -> tuple[int, ...]:
+    return (p.steps, p.batch, p.hidden, p.state, p.slots)
+
+
+def _flags(p: RNNProblem) -> tuple:
+    """The kernels' leading constexprs, forward (CELL ... SAVE) or backward (CELL ... HAS_LEN)."""
+    cell, ng, d = CELL_IDS[p.cell], p.gates, p.directions
+    if p.backward:
+        return (cell, ng, d, p.proj, p.lengths)
+    return (cell, ng, d, p.bias, p.proj, p.lengths, p.save)
+
+
+def _init_state(hbuf, cbuf, h0, c0, p: RNNProblem) -> None:
+    """Put h0 (and c0) in the slot of each direction's first step: time 0, or T - 1 reversed."""
+    hbuf[0, 0].copy_(h0[0])
+    if p.directions == 2:
+        hbuf[1, p.steps % p.slots].copy_(h0[1])
+    if p.cell == "lstm":
+        cbuf[0, 0].copy_(c0[0])
+        if p.directions == 2:
+            cbuf[1, p.steps % p.slots].copy_(c0[1])
+
+
+def _grad_buffers(dhn, dcn, p: RNNProblem):
+    """The tiled backward's running state gradients: dhbuf (D, 2, B, P) from dhn, dcbuf from dcn."""
+    acc = torch.float64 if p.dtype == "float64" else torch.float32
+    dhbuf = dhn.new_empty((p.directions, 2, p.batch, p.state), dtype=acc)
+    dhbuf[:, 0].copy_(dhn)
+    dcbuf = dcn.to(acc, copy=True) if p.cell == "lstm" else dhbuf
+    return dhbuf, dcbuf
+
+
+_STEPS: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+
+
+def _steps(n: int, device: torch.device) -> list[torch.Tensor]:
+    """One int32 tensor per step holding its index, each 16-byte aligned (the launcher's fast path)."""
+    key = (n, device)
+    if key not in _STEPS:
+        base = torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(4)
+        _STEPS[key] = [base[4 * s : 4 * s + 1] for s in range(n)]
+    return _STEPS[key]
+
+
+@FAMILY.register
+class PersistentEngine(Engine[RNNProblem]):
+    """Weights on chip for the whole sequence, state in registers: one launch per layer."""
+
+    name = "persistent"
+
+    def not_supported_reasons(self, p: RNNProblem) -> list[str]:
+        limit = RESIDENT_ELEMENTS[p.dtype]
+        if p.resident_elements() > limit:
+            return [
+                f"recurrent weights of {p.resident_elements()} elements (padded) per direction exceed the "
+                f"{limit} one program keeps on chip"
+            ]
+        return []
+
+    def cost(self, p: RNNProblem) -> float:
+        block_b = _block_b(p, 64)
+        waves = cdiv(cdiv(p.batch, block_b) * p.directions, _sm_count())
+        flops = 2 * block_b * p.weight_elements()
+        return p.steps * waves * (flops / p.rate() + _STEP_US)
+
+    def configs(self, p: RNNProblem) -> list[LaunchConfig]:
+        warps = 8 if p.resident_elements() > 4096 else 4
+        out = [{"BLOCK_B": _block_b(p, 64), "num_warps": warps}]
+        for bb in (16, 32):
+            cfg = {"BLOCK_B": min(bb, _block_b(p, 64)), "num_warps": warps}
+            if cfg not in out:
+                out.append(cfg)
+        return out
+
+    def bind(self, p: RNNProblem, config: LaunchConfig) -> Callable[..., None]:
+        bb = config["BLOCK_B"]
+        acc = dot_constexprs(p)
+        consts = (*_flags(p), *acc, bb, _pad(p.hidden), _pad(p.state))
+        kernel = K._backward_resident_kernel if p.backward else K._forward_resident_kernel
+        run = launcher(
+            kernel, (cdiv(p.batch, bb), p.directions), 17 if p.backward else 14, _ints(p), consts,
+            num_warps=config["num_warps"], num_stages=1,
+        )  # fmt: skip
+        if not p.backward:
+            return run
+
+        def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
+            run(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0, dy, dy)
+
+        return backward
+
+
+@FAMILY.register
+class PersistentTiledEngine(Engine[RNNProblem]):
+    """One launch per layer; weights streamed from cache in tiles each step."""
+
+    name = "persistent-tiled"
+
+    def cost(self, p: RNNProblem) -> float:
+        block_b = _block_b(p, 32)
+        waves = cdiv(cdiv(p.batch, block_b) * p.directions, _sm_count())
+        weights = p.weight_elements() * p.elem
+        rate = _L1_BYTES_PER_SM_US if weights <= _L1_BYTES else _L2_BYTES_PER_SM_US
+        flops = 2 * block_b * p.weight_elements()
+        phases = 2 if p.backward or p.proj else 1
+        tiles = cdiv(p.hidden, 64) + (cdiv(p.state, 64) if phases == 2 else 0)  # a little latency each
+        return p.steps * waves * (max(flops / p.rate(), weights / rate) + phases * _STEP_US + 0.1 * tiles)
+
+    def configs(self, p: RNNProblem) -> list[LaunchConfig]:
+        if INTERPRET:
+            return [{"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "num_warps": 4}]
+        bk = 32 if p.elem >= 4 else 64
+        out = []
+        for bb, bh, warps in ((_block_b(p, 32), 64, 4), (_block_b(p, 64), 64, 8), (16, 32, 4)):
+            cfg = {"BLOCK_B": min(bb, _block_b(p, 64)), "BLOCK_H": min(bh, _pad(p.hidden)),
+                   "BLOCK_P": min(bh, _pad(p.state)), "BLOCK_K": bk, "num_warps": warps}  # fmt: skip
+            if cfg not in out:
+                out.append(cfg)
+        return out
+
+    def bind(self, p: RNNProblem, config: LaunchConfig) -> Callable[..., None]:
+        bb = config["BLOCK_B"]
+        blocks = (bb, config["BLOCK_H"], config["BLOCK_P"], config["BLOCK_K"])
+        consts = (*_flags(p), *dot_constexprs(p), *blocks)
+        kernel = K._backward_tiled_kernel if p.backward else K._forward_tiled_kernel
+        run = launcher(
+            kernel, (cdiv(p.batch, bb), p.directions), 17 if p.backward else 14, _ints(p), consts,
+            num_warps=config["num_warps"], num_stages=2,
+        )  # fmt: skip
+        if p.backward:
+
+            def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
+                dhbuf, dcbuf = _grad_buffers(dhn, dcn, p)
+                run(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0, dhbuf, dcbuf)
+
+            return backward
+
+        def forward(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht) -> None:
+            _init_state(hbuf, cbuf, h0, c0, p)
+            run(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht)
+
+        return forward
+
+
+@FAMILY.register
+class PerStepEngine(Engine[RNNProblem]):
+    """A launch per step over (hidden tiles, batch blocks, directions): the large-H fallback."""
+
+    name = "per-step"
+
+    @staticmethod
+    def _step_us(p: RNNProblem, cfg: LaunchConfig) -> float:
+        """One step: its launches, then waves of programs each multiplying a (BLOCK_B, P) state
+        block by its (P, gates x BLOCK_H) weight slice, read from L2."""
+        bb, bh = cfg["BLOCK_B"], cfg["BLOCK_H"]
+        programs = cdiv(p.hidden, bh) * cdiv(p.batch, bb) * p.directions
+        flops = 2 * bb * bh * p.gates * p.state
+        nbytes = (bh * p.gates + bb) * p.state * p.elem
+        work = max(flops / p.rate(), nbytes / _L2_BYTES_PER_SM_US) + _STEP_US / 2
+        launches = 2 if p.backward or p.proj else 1
+        return launches * (_LAUNCH_US + cdiv(programs, _sm_count()) * work)
+
+    def cost(self, p: RNNProblem) -> float:
+        return p.steps * self._step_us(p, self.configs(p)[0])
+
+    def configs(self, p: RNNProblem) -> list[LaunchConfig]:
+        """Tile shapes, the cheapest by the cost model first: enough programs to fill the GPU
+        against weight slices small enough to stream quickly."""
+        if INTERPRET:
+            return [{"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "num_warps": 4}]
+        bk = 32 if p.elem >= 4 else 64
+        out: list[LaunchConfig] = []
+        for bb in (16, 32, 64):
+            for bh in (16, 32, 64):
+                cfg = {"BLOCK_B": min(bb, _block_b(p, 64)), "BLOCK_H": min(bh, _pad(p.hidden)),
+                       "BLOCK_P": min(bh, _pad(p.state)), "BLOCK_K": bk,
+                       "num_warps": 8 if bb * bh >= 2048 else 4}  # fmt: skip
+                if cfg not in out:
+                    out.append(cfg)
+        return sorted(out, key=lambda cfg: self._step_us(p, cfg))
+
+    def bind(self, p: RNNProblem, config: LaunchConfig) -> Callable[..., None]:
+        bb, bh, bp = config["BLOCK_B"], config["BLOCK_H"], config["BLOCK_P"]
+        consts = (*_flags(p), *dot_constexprs(p), bb, bh, bp, config["BLOCK_K"])
+        kernel = K._backward_step_kernel if p.backward else K._forward_step_kernel
+        n = 18 if p.backward else 15
+        warps = config["num_warps"]
+        gates = launcher(kernel, (cdiv(p.hidden, bh), cdiv(p.batch, bb), p.directions), n, _ints(p),
+                         (*consts, 0), num_warps=warps, num_stages=2)  # fmt: skip
+        second = None
+        if p.backward or p.proj:
+            second = launcher(kernel, (cdiv(p.state, bp), cdiv(p.batch, bb), p.directions), n, _ints(p),
+                              (*consts, 1), num_warps=warps, num_stages=2)  # fmt: skip
+        steps = functools.partial(_steps, p.steps)
+
+        if p.backward:
+
+            def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
+                dhbuf, dcbuf = _grad_buffers(dhn, dcn, p)
+                args = (
+                    dy,
+                    dhn,
+                    dcn,
+                    whh,
+                    whr,
+                    lens,
+                    sv,
+                    hbuf,
+                    cbuf,
+                    ht,
+                    da,
+                    dah,
+                    dhs,
+                    dh0,
+                    dc0,
+                    dhbuf,
+                    dcbuf,
+                )
+                for step in steps(dy.device):
+                    gates(*args, step)
+                    second(*args, step)
+
+            return backward
+
+        def forward(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht) -> None:
+            _init_state(hbuf, cbuf, h0, c0, p)
+            args = (x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht)
+            for step in steps(x.device):
+                gates(*args, step)
+                if second is not None:
+                    second(*args, step)
+
+        return forward

@@ -10,6 +10,7 @@ from .core.backend import backend  # first: it picks the backend before any kern
 from .core.config import config
 from .core.engine import EngineReport, engines
 from .core.errors import NotSupportedError
+from .graph import Graph, GraphError, Plan
 from .ops.activation import (
     elu,
     gelu,
@@ -79,8 +80,11 @@ __all__ = [
     "AttentionGrads",
     "EngineReport",
     "Epilogue",
+    "Graph",
+    "GraphError",
     "MatmulOutput",
     "NotSupportedError",
+    "Plan",
     "__version__",
     "adaptive_avg_pool1d",
     "adaptive_avg_pool2d",

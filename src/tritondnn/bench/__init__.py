@@ -25,7 +25,19 @@ import triton
 from ..core.backend import INTERPRET, device_name
 from ..core.timing import host_us_per_call, median_ms
 
-SUITES = ("activation", "softmax", "norm", "pool", "matmul", "attention", "conv", "rnn", "misc", "models")
+SUITES = (
+    "activation",
+    "softmax",
+    "norm",
+    "pool",
+    "matmul",
+    "attention",
+    "conv",
+    "rnn",
+    "graph",
+    "misc",
+    "models",
+)
 
 
 @dataclasses.dataclass

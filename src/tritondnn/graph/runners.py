@@ -1,0 +1,254 @@
+"""Library steps: nodes (with what folded into them) run by tritondnn's existing ops.
+
+``library_runner(step, ...)`` returns ``run(env, device, presets)`` calling the op with every
+argument that does not change between executes worked out at build (``Epilogue`` objects, shapes,
+flags), and ``predict_layouts`` says which strides each op's outputs will have, so the
+generated kernels after them can be bound at build.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.engine import engines
+from ..ops import attention, conv, matmul, norm, pool, reduce
+from ..ops.epilogue import Epilogue
+from .partition import Step
+from .types import GraphTensor, contiguous_strides, layout_strides
+
+Run = Callable[[list, torch.device, "dict | None"], None]
+_CONV = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
+_ENGINE_ACTIVATION = {"leaky_relu": "relu", "swish": "silu"}
+
+
+def _channels_last(t: GraphTensor, stride: tuple[int, ...]) -> bool:
+    return t.ndim >= 3 and stride == layout_strides(t.shape, "channels_last") and t.shape[1] > 1
+
+
+def predict_layouts(step: Step, layouts: dict) -> dict[int, tuple[int, ...]]:
+    """The strides each output of a library step is expected to have (checked again per call by
+    the generated kernels reading them)."""
+    node = step.main
+    assert node is not None
+    first = node.inputs[0] if step.fold.get("add") is None else step.fold["add"].inputs[0]
+    assert first is not None
+    keep = _channels_last(first, layouts[first.uid][0]) and node.op in (
+        "conv_fprop",
+        "conv_dgrad",
+        "batchnorm",
+        "instancenorm",
+        "pool",
+        "resample",
+    )
+    out = {}
+    for t in node.outputs:
+        cl = keep and t.ndim == first.ndim
+        out[t.uid] = layout_strides(t.shape, "channels_last") if cl else contiguous_strides(t.shape)
+    y = node.outputs[0]
+    final = step.nodes[-1].outputs[0] if step.nodes[-1] is not node else y
+    if final is not y:
+        out[final.uid] = out.pop(y.uid)
+    if step.fold.get("add") is not None:
+        out[step.fold["add"].outputs[0].uid] = contiguous_strides(first.shape)
+    return out
+
+
+def _env(t: GraphTensor | None) -> int | None:
+    return None if t is None else t.uid
+
+
+def library_runner(step: Step, algo: str | None = None) -> Run:
+    """The runner of a library step (see the module docstring); ``algo`` forces a convolution engine."""
+    node = step.main
+    assert node is not None
+    op, a, fold = node.op, node.attrs, step.fold
+    ins = [_env(t) for t in node.inputs]
+    outs = [t.uid for t in node.outputs]
+
+    def get(env: list, i: int | None) -> Any:
+        return None if i is None else env[i]
+
+    if op in ("matmul", "conv_fprop"):
+        fold = {
+            "alpha": 1.0,
+            "c": None,
+            "bias": None,
+            "activation": None,
+            "params": [],
+            "residual": None,
+            "final": node.outputs[0],
+            **fold,
+        }
+        final = fold["final"].uid
+        c, bias, res = _env(fold["c"]), _env(fold["bias"]), _env(fold["residual"])
+        act = fold["activation"]
+        epi = Epilogue(
+            alpha=fold["alpha"],
+            beta=1.0 if c is not None else 0.0,
+            bias="col" if bias is not None and op == "matmul" else "none",
+            activation=_ENGINE_ACTIVATION.get(act, act) if act else None,
+            activation_params=tuple(fold["params"]),
+            residual=res is not None,
+            out_dtype=fold["final"].dtype,
+        )
+        x, w = ins[0], ins[1]
+        if op == "matmul":
+
+            def run(env: list, device: torch.device, presets: dict | None) -> None:
+                b = None if bias is None else env[bias].reshape(-1)
+                env[final] = matmul.matmul(
+                    env[x], env[w], epilogue=epi, c=get(env, c), bias=b, residual=get(env, res)
+                )
+
+            return run
+        fn = _CONV[len(node.inputs[0].shape) - 2]  # type: ignore[union-attr]
+        geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            b = None if bias is None else env[bias].reshape(-1)
+            env[final] = fn(
+                env[x], env[w], b, *geo, algo=algo, epilogue=epi, c=get(env, c), residual=get(env, res)
+            )
+
+        return run
+    if op == "conv_dgrad":
+        geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
+        return _simple(
+            lambda e: conv.conv_backward_data(e[ins[0]], e[ins[1]], a["x_shape"], *geo, algo=algo), outs
+        )
+    if op == "conv_wgrad":
+        geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
+        return _simple(
+            lambda e: conv.conv_backward_weight(e[ins[0]], e[ins[1]], a["w_shape"], *geo, algo=algo), outs
+        )
+    if op == "reduction":
+        dims, keep = a["dim"], a["keepdim"]
+        return _simple(lambda e: reduce.reduce_tensor(e[ins[0]], a["mode"], dims, keep), outs)
+    act = fold.get("activation")
+    final = step.nodes[-1].outputs[0].uid if act else outs[0]
+    if op == "batchnorm":
+        x, w, b, rm, rv = ins
+        mom, eps = a["momentum"], a["eps"]
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            xt = env[x]
+            c = xt.shape[1]
+            ch = [None if i is None else env[i].reshape(c) for i in (w, b, rm, rv)]
+            sums = norm.batch_norm_stats(xt)
+            y, mean, rstd = norm.batch_norm_apply(xt, *sums, *ch, momentum=mom, eps=eps, activation=act)
+            env[final], env[outs[1]], env[outs[2]] = y, mean, rstd
+
+        return run
+    if op in ("layernorm", "rmsnorm"):
+        shape, eps = a["normalized_shape"], a["eps"]
+        add = fold.get("add")
+        if add is not None:
+            r1, r2 = add.inputs[0].uid, add.inputs[1].uid
+            total = add.outputs[0].uid
+            if op == "layernorm":
+                call = lambda e: norm.add_layer_norm(e[r1], e[r2], shape, get(e, ins[1]), get(e, ins[2]), eps)
+            else:
+                call = lambda e: norm.add_rms_norm(e[r1], e[r2], shape, get(e, ins[1]), eps)
+
+            def run(env: list, device: torch.device, presets: dict | None) -> None:
+                env[final], env[total] = call(env)
+
+            return run
+        if op == "layernorm":
+            return _simple(
+                lambda e: norm.layer_norm(
+                    e[ins[0]], shape, get(e, ins[1]), get(e, ins[2]), eps, activation=act
+                ),
+                [final],
+            )
+        return _simple(
+            lambda e: norm.rms_norm(e[ins[0]], shape, get(e, ins[1]), eps, activation=act), [final]
+        )
+    if op == "instancenorm":
+        return _simple(
+            lambda e: norm.instance_norm(
+                e[ins[0]], None, None, get(e, ins[1]), get(e, ins[2]), True, 0.1, a["eps"], activation=act
+            ),
+            [final],
+        )
+    if op == "sdpa":
+        flags = (0.0, a["is_causal"], a["scale"], a["enable_gqa"])
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            r = attention.sdpa(
+                env[ins[0]], env[ins[1]], env[ins[2]], get(env, ins[3]), *flags, return_lse=a["return_stats"]
+            )
+            if a["return_stats"]:
+                env[outs[0]], env[outs[1]] = r
+            else:
+                env[outs[0]] = r
+
+        return run
+    if op == "sdpa_backward":
+        flags = (0.0, a["is_causal"], a["scale"], a["enable_gqa"])
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            g = attention.sdpa_backward(*(env[i] for i in ins[:6]), get(env, ins[6]), *flags)
+            env[outs[0]], env[outs[1]], env[outs[2]] = g.dq, g.dk, g.dv
+
+        return run
+    if op == "pool":
+        nd = len(node.outputs[0].shape) - 2
+        k, s, p, d = a["kernel_size"], a["stride"], a["padding"], a["dilation"]
+        if a["mode"] == "max":
+            fn = (pool.max_pool1d, pool.max_pool2d, pool.max_pool3d)[nd - 1]
+            return _simple(lambda e: fn(e[ins[0]], k, s, p, d, a["ceil_mode"]), outs)
+        fn = (pool.avg_pool1d, pool.avg_pool2d, pool.avg_pool3d)[nd - 1]
+        return _simple(lambda e: fn(e[ins[0]], k, s, p, a["ceil_mode"], a["count_include_pad"]), outs)
+    if op == "resample":
+        args = (a["size"], a["scale_factor"], a["mode"], a["align_corners"])
+        return _simple(lambda e: pool.interpolate(e[ins[0]], *args), outs)
+    if step.kind == "view":
+        if op == "reshape":
+            shape = tuple(a["shape"])
+            view = lambda t: t.reshape(shape)
+        elif op == "transpose":
+            dims = tuple(a["dims"])
+            view = lambda t: t.permute(dims)
+        else:
+            index = (slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)
+            view = lambda t: t[index]
+        if node.outputs[0].is_output:  # an output never aliases an input or another output
+            return _simple(lambda e: view(e[ins[0]]).clone(), outs)
+        return _simple(lambda e: view(e[ins[0]]), outs)
+    raise NotImplementedError(f"tdnn.Graph: no runner for {op}")  # every builder's op is listed above
+
+
+def _simple(fn: Callable[[list], Any], outs: list[int]) -> Run:
+    if len(outs) == 1:
+        (o,) = outs
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            env[o] = fn(env)
+
+        return run
+
+    def run_many(env: list, device: torch.device, presets: dict | None) -> None:
+        for i, r in zip(outs, fn(env)):
+            env[i] = r
+
+    return run_many
+
+
+def conv_engines(step: Step, env: list) -> list[str]:
+    """Names of the engines that can run a convolution step on ``env``'s tensors (benchmark mode)."""
+    node = step.main
+    assert node is not None
+    a = node.attrs
+    x, w = (env[t.uid] for t in node.inputs[:2])  # type: ignore[union-attr]
+    geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
+    if node.op == "conv_fprop":
+        reports = engines("conv", x, w, None, *geo)
+    elif node.op == "conv_dgrad":
+        reports = engines("conv_dgrad", x, w, a["x_shape"], *geo)
+    else:
+        reports = engines("conv_wgrad", x, w, a["w_shape"], *geo)
+    return [r.name for r in reports if r.supported]

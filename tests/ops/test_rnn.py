@@ -367,7 +367,9 @@ def test_cost_model_prefers_resident_then_per_step():
         x = torch.empty(256, batch, 512, device=DEVICE)
         return next(r.name for r in tdnn.engines("rnn", x, hidden, "lstm") if r.chosen)
 
-    assert best(32, 64) == "persistent"
+    # Small H: an engine that keeps the state on chip for the whole sequence (which of the two
+    # depends on the SM count); large H: one launch per step.
+    assert best(32, 64) in ("persistent", "persistent-tiled")
     assert best(1024, 32) == "per-step"
 
 

@@ -6,6 +6,8 @@ would cast declares its policy with ``@autocast_policy``:
 
 - ``"lower"``: matrix products (matmul, linear, convolution, attention, RNNs) run in the autocast
   dtype, like ``torch.mm``/``F.conv2d``/``F.scaled_dot_product_attention`` do;
+- ``"fp16"``: like ``"lower"`` but always float16, as PyTorch's CUDA autocast runs cuDNN's RNNs
+  (an LSTM under a bf16 autocast returns fp16 there);
 - ``"fp32"``: ops PyTorch's CUDA autocast runs in float32 (layer/group norm, softmax and
   log-softmax without ``dtype``, softplus): fp16/bf16 inputs are widened to float32.
 
@@ -24,6 +26,7 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOWER = "lower"
+FP16 = "fp16"
 FP32 = "fp32"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -42,7 +45,7 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
         return type(value)(_cast(v, policy, dtype) for v in value)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
-    if policy == LOWER:
+    if policy in (LOWER, FP16):
         return value.to(dtype) if value.dtype in (torch.float32, *_LOW_PRECISION) else value
     return value.float() if value.dtype in _LOW_PRECISION else value
 
@@ -69,7 +72,7 @@ def autocast_policy(cuda: str | None, cpu: str | None = None, skip_if: str | Non
                 or (skip_if is not None and kwargs.get(skip_if) is not None)
             ):
                 return fn(*args, **kwargs)
-            dtype = torch.get_autocast_dtype(device_type)
+            dtype = torch.float16 if policy == FP16 else torch.get_autocast_dtype(device_type)
             args = tuple(_cast(a, policy, dtype) for a in args)
             kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
             with torch.autocast(device_type, enabled=False):

@@ -167,13 +167,16 @@ def _header(s: Structure, ints: list[str], constexprs: list[str]) -> str:
 
 
 def _unravel(index: str, prefix: str, sizes: str, ndim: int) -> list[str]:
-    """Coordinates {prefix}0..{prefix}{ndim-1} of a row-major flat index over sizes {sizes}1.. ."""
+    """Coordinates {prefix}0..{prefix}{ndim-1} of a row-major flat index over sizes {sizes}1.. .
+    The remainder's name carries the prefix: row and column unravels in one kernel have different
+    shapes, and Triton refuses a variable that changes shape inside a loop."""
     if ndim == 1:
         return [f"{prefix}0 = {index}"]
-    lines = [f"_r = {index}"]
+    rest = f"_{prefix}_rest"
+    lines = [f"{rest} = {index}"]
     for d in range(ndim - 1, 0, -1):
-        lines += [f"{prefix}{d} = _r % {sizes}{d}", f"_r = _r // {sizes}{d}"]
-    return [*lines, f"{prefix}0 = _r"]
+        lines += [f"{prefix}{d} = {rest} % {sizes}{d}", f"{rest} = {rest} // {sizes}{d}"]
+    return [*lines, f"{prefix}0 = {rest}"]
 
 
 def pointwise_source(s: Structure, a: Access) -> str:
@@ -247,7 +250,7 @@ def reduce_source(s: Structure, a: Access) -> str:
     for j, (_, mode, _) in enumerate(s.reducers):
         lines.append(f"acc{j} = tl.full([BLOCK_M, BLOCK_K], {_NEUTRAL[REDUCE_PLAN[mode][1]]}, {compute})")
     loop = [
-        "cols = k0 + tl.arange(0, BLOCK_K)",
+        "cols = k_start + tl.arange(0, BLOCK_K)",
         "if INDEX_64:",
         "    cols = cols.to(tl.int64)",
         "mask = row_mask[:, None] & (cols < K)[None, :]",
@@ -281,7 +284,7 @@ def reduce_source(s: Structure, a: Access) -> str:
                 "max": f"acc{j} = nan_max(acc{j}, r{j})",
             }[combine]
         )
-    lines += ["for k0 in range(0, K, BLOCK_K):", *("    " + ln for ln in loop)]
+    lines += ["for k_start in range(0, K, BLOCK_K):", *("    " + ln for ln in loop)]
     first_out = len(s.loads) + len(s.stores)
     for j, (_, mode, dtype) in enumerate(s.reducers):
         _, combine, post = REDUCE_PLAN[mode]

@@ -27,7 +27,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
-from ...core.autocast import LOWER, autocast_policy
+from ...core.autocast import FP16, LOWER, autocast_policy
 from ...core.checks import check_tensor
 from ...core.config import config
 from ...core.library import custom_op
@@ -526,7 +526,7 @@ _COMMON_DOC = """
 """
 
 
-@autocast_policy(LOWER, LOWER)
+@autocast_policy(FP16, LOWER)
 def lstm(
     input: torch.Tensor | PackedSequence,
     hx: tuple[torch.Tensor, torch.Tensor] | None,
@@ -553,7 +553,7 @@ def lstm(
                 batch_first, proj_size, lengths, enforce_sorted, seed, algo)  # fmt: skip
 
 
-@autocast_policy(LOWER)
+@autocast_policy(FP16)
 def gru(
     input: torch.Tensor | PackedSequence,
     hx: torch.Tensor | None,
@@ -576,7 +576,7 @@ def gru(
                 batch_first, 0, lengths, enforce_sorted, seed, algo)  # fmt: skip
 
 
-@autocast_policy(LOWER)
+@autocast_policy(FP16)
 def rnn(
     input: torch.Tensor | PackedSequence,
     hx: torch.Tensor | None,

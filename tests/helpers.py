@@ -52,3 +52,21 @@ def grads(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch
     y = fn(xg)
     (dx,) = torch.autograd.grad(y, xg, dy)
     return y.detach(), dx
+
+
+def run_processes(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 300.0) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` forked processes (gloo tests); a process that fails
+    raises here, and one still running after ``timeout`` seconds fails the test instead of
+    hanging the suite."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork", join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__}: processes still running after {timeout:.0f} s")

@@ -9,11 +9,10 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import tritondnn.nn as tnn
-from helpers import ON_GPU
+from helpers import ON_GPU, run_processes
 
 pytestmark = pytest.mark.skipif(
     ON_GPU, reason="gloo over CPU tensors runs in CI; on GPUs the NCCL runs use torchrun (2 GPUs)"
@@ -38,6 +37,7 @@ def _data(channels_last: bool):
 
 
 def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool: it would hang
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=len(SIZES))
     try:
@@ -63,9 +63,7 @@ def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
 
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_matches_batch_norm_over_the_global_batch(tmp_path, channels_last):
-    mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path), channels_last), nprocs=len(SIZES), start_method="fork"
-    )
+    run_processes(_worker, (_free_port(), str(tmp_path), channels_last), len(SIZES))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(SIZES))]
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(4, momentum=0.3)

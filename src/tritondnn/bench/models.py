@@ -5,7 +5,7 @@ GPT-2-style decoder (its attention calls ``F.scaled_dot_product_attention``, rou
 ``tdnn.sdpa`` by ``patch(..., sdpa=True)``) and a 2-layer LSTM language model. ``compare``
 trains two copies from the same seed on the same random batches, one patched, and returns both
 loss curves and step times; the ``models`` bench suite times one training step per provider:
-tritondnn-patched, PyTorch eager and torch.compile of the unpatched model.
+tritondnn-patched, PyTorch eager, torch.compile of the unpatched model and of the patched one.
 """
 
 from __future__ import annotations
@@ -238,15 +238,20 @@ def cases(quick: bool = False) -> Iterator[Case]:
         low = not INTERPRET
         step_ours = _step_fn(ours, w.make_optimizer(ours), low)
         step_plain = _step_fn(plain, w.make_optimizer(plain), low)
-        compile_plain = None
+        compile_plain = compile_ours = None
         if not quick:
             twin = copy.deepcopy(plain)
             compile_plain = compiled(_step_fn(twin, w.make_optimizer(twin), low), x, target)
+            ours_twin = copy.deepcopy(ours)
+            compile_ours = compiled(_step_fn(ours_twin, w.make_optimizer(ours_twin), low), x, target)
         yield Case(
             f"{w.name} train step",
-            providers(
-                tritondnn=lambda s=step_ours, x=x, t=target: s(x, t),
-                torch=lambda s=step_plain, x=x, t=target: s(x, t),
-                torch_compile=compile_plain,
-            ),
+            {
+                **providers(
+                    tritondnn=lambda s=step_ours, x=x, t=target: s(x, t),
+                    torch=lambda s=step_plain, x=x, t=target: s(x, t),
+                    torch_compile=compile_plain,
+                ),
+                **({"tritondnn+torch.compile": compile_ours} if compile_ours else {}),
+            },
         )

@@ -20,9 +20,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from ..ops.activation import Activation
+from ..ops.activation import Activation, activation_math
 
 Ref = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
 Emit = Callable[[Sequence[str], Sequence[str]], str]
@@ -63,30 +62,9 @@ def _op(name: str, arity: int, reference: Ref, emit: Emit, **kw) -> None:
 
 def _activation_ref(kind: int) -> Ref:
     def ref(x: Sequence[torch.Tensor], p: Sequence[float]) -> torch.Tensor:
-        return activation_forward(x[0], kind, *p)
+        return activation_math(x[0], kind, *p)
 
     return ref
-
-
-def activation_forward(x: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0) -> torch.Tensor:
-    """An ``Activation`` in x's own dtype (ops.activation's reference, without its float64 cast)."""
-    if kind == Activation.RELU:
-        # slope 0 gives 0 at -inf (F.relu), not -inf * 0
-        neg = torch.zeros_like(x) if p0 == 0 else x * p0
-        return torch.where(x > 0, torch.where(x >= p1, torch.full_like(x, p1), x), torch.where(x < 0, neg, x))
-    if kind == Activation.ELU:
-        return torch.where(x > 0, x, p0 * torch.expm1(x))
-    if kind == Activation.SIGMOID:
-        return torch.sigmoid(x)
-    if kind == Activation.TANH:
-        return torch.tanh(x)
-    if kind == Activation.GELU:
-        return F.gelu(x)
-    if kind == Activation.GELU_TANH:
-        return F.gelu(x, approximate="tanh")
-    if kind == Activation.SILU:
-        return x * torch.sigmoid(p0 * x)
-    return F.softplus(x, beta=p0, threshold=p1)
 
 
 def _backward_ref(kind: int) -> Ref:
@@ -96,7 +74,7 @@ def _backward_ref(kind: int) -> Ref:
         dtype = torch.promote_types(dy.dtype, x.dtype)
         with torch.enable_grad():
             xg = x.detach().to(dtype).expand(shape).clone().requires_grad_(True)
-            (dx,) = torch.autograd.grad(activation_forward(xg, kind, *p), xg, dy.to(dtype).expand(shape))
+            (dx,) = torch.autograd.grad(activation_math(xg, kind, *p), xg, dy.to(dtype).expand(shape))
         return dx
 
     return ref
@@ -219,4 +197,4 @@ COMMUTATIVE = frozenset({"add", "bias", "mul", "scale", "max", "min", "cmp_eq", 
 ADDITIVE = frozenset({"add", "bias"})
 MULTIPLICATIVE = frozenset({"mul", "scale"})
 
-__all__ = ["ADDITIVE", "COMMUTATIVE", "MULTIPLICATIVE", "OPS", "PointwiseOp", "activation_forward"]
+__all__ = ["ADDITIVE", "COMMUTATIVE", "MULTIPLICATIVE", "OPS", "PointwiseOp"]

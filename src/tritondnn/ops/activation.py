@@ -54,12 +54,14 @@ def saves_output(kind: int, p0: float) -> bool:
 # 1. Reference: the meaning of each op, in float64.
 
 
-def activation_reference(x: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0) -> torch.Tensor:
-    """The activation in float64 with plain PyTorch."""
-    x = x.double()
+def activation_math(x: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0) -> torch.Tensor:
+    """The activation with plain PyTorch in x's own dtype (the graph API's reference computes in
+    its compute dtype with it)."""
     if kind == Activation.RELU:
-        # where, not clamp: the gradient at x == clip is 0, as hardtanh's (clamp's would be 1).
-        return torch.where(x > 0, torch.where(x >= p1, p1, x), x * p0)
+        # where, not clamp: the gradient at x == clip is 0, as hardtanh's (clamp's would be 1);
+        # slope 0 gives 0 at -inf, as F.relu (not -inf * 0).
+        neg = torch.zeros_like(x) if p0 == 0 else x * p0
+        return torch.where(x > 0, torch.where(x >= p1, p1, x), torch.where(x < 0, neg, x))
     if kind == Activation.ELU:
         return torch.where(x > 0, x, p0 * torch.expm1(x))
     if kind == Activation.SIGMOID:
@@ -75,6 +77,11 @@ def activation_reference(x: torch.Tensor, kind: int, p0: float = 0.0, p1: float 
     if kind == Activation.SOFTPLUS:
         return F.softplus(x, beta=p0, threshold=p1)
     raise ValueError(f"unknown activation kind {kind}")
+
+
+def activation_reference(x: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0) -> torch.Tensor:
+    """The activation in float64 with plain PyTorch."""
+    return activation_math(x.double(), kind, p0, p1)
 
 
 def activation_backward_reference(

@@ -39,6 +39,15 @@ def _forward(fn: Callable, *args) -> object:
         return fn(*args)
 
 
+def _without_tf32(fn: Callable, *args) -> object:
+    allowed = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _forward(fn, *args)
+    finally:
+        torch.backends.cudnn.allow_tf32 = allowed
+
+
 def _fwd_bwd(fn: Callable, x: torch.Tensor, params: list[torch.Tensor]) -> tuple:
     out, h = fn(x)
     outs = [out, *(h if isinstance(h, tuple) else (h,))]
@@ -77,12 +86,17 @@ def _cases(cell: str, steps: int, batch: int, inputs: int, hidden: int, layers: 
     def ours(x: torch.Tensor, weights=weights) -> tuple:
         return ours_fn(x, None, weights, True, layers)
 
+    anchors = {anchor: partial(_forward, module, x)}
+    if dtype == torch.float32 and not INTERPRET:
+        # cuDNN runs fp32 RNNs on TF32 tensor cores by default (cudnn.allow_tf32); tritondnn
+        # keeps fp32 unless tdnn.config.allow_tf32: both anchors are shown.
+        anchors["cudnn-no-tf32"] = partial(_without_tf32, module, x)
     yield Case(
         f"{label} fwd",
         providers(
             tritondnn=partial(_forward, ours, x),
             tritondnn_recurrence=_recurrence(cell, module, x),
-            **{anchor: partial(_forward, module, x)},
+            **anchors,
         ),
         flops=flops,
     )

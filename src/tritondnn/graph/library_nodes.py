@@ -1,5 +1,6 @@
-"""Builders of the library nodes: reductions, normalizations, genstats, attention, pooling,
-resampling and the layout nodes (reshape, transpose, permute, slice, concatenate).
+"""Builders of the library nodes: reductions, normalizations (forward, in training with their
+saved statistics, and backward), genstats, attention, pooling, resampling and the layout nodes
+(reshape, transpose, permute, slice, concatenate).
 
 Every builder takes ``name=`` (the node's name; its single output takes the same name, several
 outputs ``name.field``) and returns the output tensor(s).
@@ -14,12 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from .rules import Rules, _flag, _ints, _number
-from .types import FLOATS, GraphTensor, error
+from .types import FLOATS, GraphTensor, Node, error
 
 REDUCTIONS = ("add", "mul", "min", "max", "amax", "avg", "norm1", "norm2", "mul_no_zeros")
 POOL_MODES = ("max", "avg")
 RESAMPLE_MODES = ("nearest", "linear", "bilinear", "trilinear")
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def row_stats_shape(shape: Sequence[int], k: int) -> tuple[int, ...]:
+    """The shape of per-row statistics of a norm over the last ``k`` dimensions of ``shape``:
+    those dimensions kept as size 1 (cuDNN's and ``torch.native_layer_norm``'s)."""
+    return (*shape[: len(shape) - k], *([1] * k))
 
 
 class LibraryNodes(Rules):
@@ -81,7 +89,7 @@ class LibraryNodes(Rules):
             ("running_var", running_var),
         ]
         node = self._begin("batchnorm", "norm", name, slots)
-        self._same_dtype(node, [x], (torch.float16, torch.bfloat16, torch.float32))
+        self._same_dtype(node, [x], NORM_DTYPES)
         self._rank(node, x, 2, 5)
         for slot, t in slots[1:]:
             self._channel_param(node, slot, t, x)
@@ -109,19 +117,30 @@ class LibraryNodes(Rules):
         *,
         normalized_shape: Sequence[int] | None = None,
         eps: float = 1e-5,
+        training: bool = False,
         name: str | None = None,
-    ) -> GraphTensor:
+    ) -> GraphTensor | tuple[GraphTensor, ...]:
         """``F.layer_norm`` over ``normalized_shape`` (default: the last dimension). A residual add
-        before it and an activation after it fold in (``add_layer_norm``, fused activation)."""
+        before it and an activation after it fold in (``add_layer_norm``, fused activation).
+
+        With ``training=True`` (cuDNN's training phase) it returns ``(y, mean, inv_variance)``, the
+        fp32 statistics of each normalized row with the normalized dimensions kept as size 1
+        (``torch.native_layer_norm``'s shape), for ``layernorm_backward``; else ``y``."""
         node = self._begin("layernorm", "norm", name, [("x", x), ("scale", scale), ("bias", bias)])
-        self._same_dtype(node, [x], (torch.float16, torch.bfloat16, torch.float32))
+        self._same_dtype(node, [x], NORM_DTYPES)
         shape = self._normalized(node, x, normalized_shape)
         self._affine(node, "scale", scale, shape)
         self._affine(node, "bias", bias, shape)
-        attrs = {"normalized_shape": shape, "eps": _number(node, "eps", eps)}
+        attrs: dict[str, Any] = {"normalized_shape": shape, "eps": _number(node, "eps", eps)}
         if attrs["eps"] <= 0:
             raise error("argument", "eps must be > 0", node)
-        return self._commit(node, [("", x.shape, x.dtype)], attrs)[0]
+        outs = [("y" if _flag(node, "training", training) else "", x.shape, x.dtype)]
+        if training:  # written only when set: graphs without it serialize as before
+            attrs["training"] = True
+            stats = row_stats_shape(x.shape, len(shape))
+            outs += [("mean", stats, torch.float32), ("inv_variance", stats, torch.float32)]
+        result = self._commit(node, outs, attrs)
+        return tuple(result) if training else result[0]
 
     def rmsnorm(
         self,
@@ -130,18 +149,26 @@ class LibraryNodes(Rules):
         *,
         normalized_shape: Sequence[int] | None = None,
         eps: float | None = None,
+        training: bool = False,
         name: str | None = None,
-    ) -> GraphTensor:
+    ) -> GraphTensor | tuple[GraphTensor, ...]:
         """``F.rms_norm`` (eps defaults to the dtype's machine epsilon); folds a residual add before
-        it (``add_rms_norm``) and an activation after it."""
+        it (``add_rms_norm``) and an activation after it. With ``training=True`` it returns
+        ``(y, inv_rms)``, ``inv_rms`` shaped as ``layernorm``'s statistics, for ``rmsnorm_backward``."""
         node = self._begin("rmsnorm", "norm", name, [("x", x), ("scale", scale)])
-        self._same_dtype(node, [x], (torch.float16, torch.bfloat16, torch.float32))
+        self._same_dtype(node, [x], NORM_DTYPES)
         shape = self._normalized(node, x, normalized_shape)
         self._affine(node, "scale", scale, shape)
         eps = torch.finfo(x.dtype).eps if eps is None else _number(node, "eps", eps)
         if eps <= 0:
             raise error("argument", "eps must be > 0", node)
-        return self._commit(node, [("", x.shape, x.dtype)], {"normalized_shape": shape, "eps": eps})[0]
+        attrs: dict[str, Any] = {"normalized_shape": shape, "eps": eps}
+        outs = [("y" if _flag(node, "training", training) else "", x.shape, x.dtype)]
+        if training:
+            attrs["training"] = True
+            outs.append(("inv_rms", row_stats_shape(x.shape, len(shape)), torch.float32))
+        result = self._commit(node, outs, attrs)
+        return tuple(result) if training else result[0]
 
     def instancenorm(
         self,
@@ -150,19 +177,158 @@ class LibraryNodes(Rules):
         bias: GraphTensor | None = None,
         *,
         eps: float = 1e-5,
+        training: bool = False,
         name: str | None = None,
-    ) -> GraphTensor:
+    ) -> GraphTensor | tuple[GraphTensor, ...]:
         """``F.instance_norm`` with the input's statistics: each (sample, channel) over its spatial
-        positions, then a per-channel scale and bias (shape (C,))."""
+        positions, then a per-channel scale and bias (shape (C,)). With ``training=True`` it
+        returns ``(y, mean, inv_variance)``, fp32 of shape (N, C, 1, ...), for
+        ``instancenorm_backward``."""
         node = self._begin("instancenorm", "norm", name, [("x", x), ("scale", scale), ("bias", bias)])
-        self._same_dtype(node, [x], (torch.float16, torch.bfloat16, torch.float32))
+        self._same_dtype(node, [x], NORM_DTYPES)
         self._rank(node, x, 3, 5)
         self._affine(node, "scale", scale, (x.shape[1],))
         self._affine(node, "bias", bias, (x.shape[1],))
         eps_ = _number(node, "eps", eps)
         if eps_ <= 0:
             raise error("argument", "eps must be > 0", node)
-        return self._commit(node, [("", x.shape, x.dtype)], {"eps": eps_})[0]
+        attrs: dict[str, Any] = {"eps": eps_}
+        outs = [("y" if _flag(node, "training", training) else "", x.shape, x.dtype)]
+        if training:
+            attrs["training"] = True
+            stats = row_stats_shape(x.shape, x.ndim - 2)
+            outs += [("mean", stats, torch.float32), ("inv_variance", stats, torch.float32)]
+        result = self._commit(node, outs, attrs)
+        return tuple(result) if training else result[0]
+
+    # -----------------------------------------------------------------------------------------
+    # Normalization backward (cuDNN's norm backward operations): the gradients from the forward's
+    # input, its saved statistics and the output's gradient ``dy``. Without a scale, ``dscale``
+    # and ``dbias`` are the gradients a unit scale and a zero bias would get.
+
+    def _norm_grad_operands(
+        self, node: Node, dy: GraphTensor, x: GraphTensor, stats: list[tuple[str, GraphTensor | None]]
+    ) -> None:
+        for slot, t in stats:
+            if t is None:
+                raise error(
+                    "argument", f"'{slot}' is required (the forward's statistics, from training=True)", node
+                )
+        self._same_dtype(node, [dy, x], NORM_DTYPES)
+        if dy.shape != x.shape:
+            raise error("shape", f"must have x's shape {x.shape}", node, dy)
+
+    def _norm_stats(self, node: Node, slot: str, t: GraphTensor, shape: tuple[int, ...]) -> None:
+        if t.shape != shape:
+            raise error("shape", f"'{slot}' must have shape {shape}", node, t)
+        if t.dtype not in FLOATS:
+            raise error("dtype", f"'{slot}' must be a float tensor", node, t)
+
+    def _param_grads(
+        self, scale: GraphTensor | None, shape: Sequence[int], bias: bool = True
+    ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        dtype = scale.dtype if scale is not None else torch.float32
+        out = [("dscale", tuple(shape), dtype)]
+        return [*out, ("dbias", tuple(shape), dtype)] if bias else out
+
+    def layernorm_backward(
+        self,
+        dy: GraphTensor,
+        x: GraphTensor,
+        scale: GraphTensor | None = None,
+        mean: GraphTensor | None = None,
+        inv_variance: GraphTensor | None = None,
+        *,
+        normalized_shape: Sequence[int] | None = None,
+        name: str | None = None,
+    ) -> tuple[GraphTensor, GraphTensor, GraphTensor]:
+        """cuDNN's layernorm backward: ``(dx, dscale, dbias)`` from the forward's input ``x``, its
+        ``scale`` (or None) and the ``mean``/``inv_variance`` of ``layernorm(..., training=True)``.
+        ``normalized_shape`` defaults to scale's shape, else x's last dimension; dscale and dbias
+        have that shape and scale's dtype (fp32 without a scale); dx is contiguous."""
+        slots = [("dy", dy), ("x", x), ("scale", scale), ("mean", mean), ("inv_variance", inv_variance)]
+        node = self._begin("layernorm_backward", "norm_backward", name, slots)
+        self._norm_grad_operands(node, dy, x, slots[3:])
+        if normalized_shape is None and scale is not None:
+            normalized_shape = list(scale.shape)
+        shape = self._normalized(node, x, normalized_shape)
+        self._affine(node, "scale", scale, shape)
+        for slot, t in slots[3:]:
+            self._norm_stats(node, slot, t, row_stats_shape(x.shape, len(shape)))  # type: ignore[arg-type]
+        outs = [("dx", x.shape, x.dtype), *self._param_grads(scale, shape)]
+        return tuple(self._commit(node, outs, {"normalized_shape": shape}))  # type: ignore[return-value]
+
+    def rmsnorm_backward(
+        self,
+        dy: GraphTensor,
+        x: GraphTensor,
+        scale: GraphTensor | None = None,
+        inv_rms: GraphTensor | None = None,
+        *,
+        normalized_shape: Sequence[int] | None = None,
+        name: str | None = None,
+    ) -> tuple[GraphTensor, GraphTensor]:
+        """cuDNN's rmsnorm backward: ``(dx, dscale)`` from the forward's input, ``scale`` (or None)
+        and the ``inv_rms`` of ``rmsnorm(..., training=True)``; shapes as ``layernorm_backward``."""
+        slots = [("dy", dy), ("x", x), ("scale", scale), ("inv_rms", inv_rms)]
+        node = self._begin("rmsnorm_backward", "norm_backward", name, slots)
+        self._norm_grad_operands(node, dy, x, slots[3:])
+        if normalized_shape is None and scale is not None:
+            normalized_shape = list(scale.shape)
+        shape = self._normalized(node, x, normalized_shape)
+        self._affine(node, "scale", scale, shape)
+        self._norm_stats(node, "inv_rms", inv_rms, row_stats_shape(x.shape, len(shape)))  # type: ignore[arg-type]
+        outs = [("dx", x.shape, x.dtype), *self._param_grads(scale, shape, bias=False)]
+        return tuple(self._commit(node, outs, {"normalized_shape": shape}))  # type: ignore[return-value]
+
+    def batchnorm_backward(
+        self,
+        dy: GraphTensor,
+        x: GraphTensor,
+        scale: GraphTensor | None = None,
+        mean: GraphTensor | None = None,
+        inv_variance: GraphTensor | None = None,
+        *,
+        name: str | None = None,
+    ) -> tuple[GraphTensor, GraphTensor, GraphTensor]:
+        """cuDNN's batchnorm backward (training): ``(dx, dscale, dbias)`` from the forward's input,
+        ``scale`` (or None) and the batch ``mean``/``inv_variance`` ``batchnorm`` returned; the
+        per-channel operands are (C,) or (1, C, 1, ...). dx keeps x's layout; dscale and dbias have
+        scale's shape and dtype ((C,) fp32 without a scale)."""
+        slots = [("dy", dy), ("x", x), ("scale", scale), ("mean", mean), ("inv_variance", inv_variance)]
+        node = self._begin("batchnorm_backward", "norm_backward", name, slots)
+        self._norm_grad_operands(node, dy, x, slots[3:])
+        self._rank(node, x, 2, 5)
+        for slot, t in slots[2:]:
+            self._channel_param(node, slot, t, x)
+        outs = [
+            ("dx", x.shape, x.dtype),
+            *self._param_grads(scale, (x.shape[1],) if scale is None else scale.shape),
+        ]
+        return tuple(self._commit(node, outs, {}))  # type: ignore[return-value]
+
+    def instancenorm_backward(
+        self,
+        dy: GraphTensor,
+        x: GraphTensor,
+        scale: GraphTensor | None = None,
+        mean: GraphTensor | None = None,
+        inv_variance: GraphTensor | None = None,
+        *,
+        name: str | None = None,
+    ) -> tuple[GraphTensor, GraphTensor, GraphTensor]:
+        """cuDNN's instancenorm backward: ``(dx, dscale, dbias)`` from the forward's input, its
+        (C,) ``scale`` (or None) and the (N, C, 1, ...) ``mean``/``inv_variance`` of
+        ``instancenorm(..., training=True)``. dx keeps x's layout; dscale and dbias are (C,)."""
+        slots = [("dy", dy), ("x", x), ("scale", scale), ("mean", mean), ("inv_variance", inv_variance)]
+        node = self._begin("instancenorm_backward", "norm_backward", name, slots)
+        self._norm_grad_operands(node, dy, x, slots[3:])
+        self._rank(node, x, 3, 5)
+        self._affine(node, "scale", scale, (x.shape[1],))
+        for slot, t in slots[3:]:
+            self._norm_stats(node, slot, t, row_stats_shape(x.shape, x.ndim - 2))  # type: ignore[arg-type]
+        outs = [("dx", x.shape, x.dtype), *self._param_grads(scale, (x.shape[1],))]
+        return tuple(self._commit(node, outs, {}))  # type: ignore[return-value]
 
     def genstats(self, x: GraphTensor, *, name: str | None = None) -> tuple[GraphTensor, GraphTensor]:
         """cuDNN's GenStats: per-channel ``sum(x)`` and ``sum(x * x)`` over all but dimension 1,

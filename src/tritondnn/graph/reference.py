@@ -84,6 +84,50 @@ def _attention_inputs(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return scores, v
 
 
+def _wide(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """Statistics and gradients of norms: float64 for the reference, else fp32 (as PyTorch's
+    kernels accumulate), rounded to the declared dtypes afterwards."""
+    return torch.float64 if dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
+
+
+def _norm_backward(node: Node, ins: list[Any], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """cuDNN's norm backward from the given statistics (equal to the autograd of the forward when
+    they are the input's own): with ``x_hat = (x - mean) * inv`` (``mean = 0`` for RMS) and
+    ``g = dy * scale`` over the normalized dimensions, ``dx = inv * (g - mean(g) -
+    x_hat * mean(g * x_hat))`` (RMS: no ``mean(g)`` term), ``dscale = sum(dy * x_hat)`` and
+    ``dbias = sum(dy)`` over the other dimensions."""
+    dy, x = ins[0], ins[1]
+    acc = _wide(x, dtype)
+    dy, x = dy.to(acc), x.to(acc)
+    op = node.op
+    if op in ("layernorm_backward", "rmsnorm_backward"):
+        k = len(node.attrs["normalized_shape"])
+        dims, view = list(range(x.ndim - k, x.ndim)), list(x.shape[x.ndim - k :])
+        other = list(range(x.ndim - k))  # the dimensions the parameter gradients sum over
+    else:
+        spatial = list(range(2, x.ndim))
+        dims = spatial if op == "instancenorm_backward" else [0, *spatial]
+        view, other = [x.shape[1], *([1] * (x.ndim - 2))], [0, *spatial]
+    stats = [t.to(acc) if t.ndim == x.ndim else t.to(acc).reshape(view) for t in ins[3:]]
+    inv = stats[-1]
+    mean = torch.zeros((), dtype=acc) if op == "rmsnorm_backward" else stats[0]
+    scale = torch.ones((), dtype=acc) if ins[2] is None else ins[2].to(acc).reshape(view)
+    xhat = (x - mean) * inv
+    g = dy * scale
+    inner = g - xhat * (g * xhat).mean(dims, keepdim=True)
+    if op != "rmsnorm_backward":
+        inner = inner - g.mean(dims, keepdim=True)
+    shape = node.outputs[1].shape
+    grads = [inv * inner, _sum(dy * xhat, other).reshape(shape)]
+    if op != "rmsnorm_backward":
+        grads.append(_sum(dy, other).reshape(shape))
+    return grads
+
+
+def _sum(t: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    return t.sum(dims) if dims else t  # sum([]) would reduce every dimension
+
+
 def _evaluate(node: Node, ins: list[Any], dtype: torch.dtype | None) -> list[torch.Tensor]:
     a, op = node.attrs, node.op
     if node.kind == "pointwise":
@@ -118,12 +162,24 @@ def _evaluate(node: Node, ins: list[Any], dtype: torch.dtype | None) -> list[tor
         xf = x.double()
         mean, var = xf.mean(dims), xf.var(dims, unbiased=False)
         return [y, mean, 1.0 / torch.sqrt(var + a["eps"])]
-    if op == "layernorm":
-        return [F.layer_norm(x, a["normalized_shape"], ins[1], ins[2], a["eps"])]
-    if op == "rmsnorm":
-        return [F.rms_norm(x, a["normalized_shape"], ins[1], a["eps"])]
-    if op == "instancenorm":
-        return [F.instance_norm(x, None, None, ins[1], ins[2], True, 0.1, a["eps"])]
+    if op in ("layernorm", "rmsnorm", "instancenorm"):
+        if op == "layernorm":
+            y = F.layer_norm(x, a["normalized_shape"], ins[1], ins[2], a["eps"])
+        elif op == "rmsnorm":
+            y = F.rms_norm(x, a["normalized_shape"], ins[1], a["eps"])
+        else:
+            y = F.instance_norm(x, None, None, ins[1], ins[2], True, 0.1, a["eps"])
+        if not a.get("training"):
+            return [y]
+        first = x.ndim - len(a["normalized_shape"]) if op != "instancenorm" else 2  # normalized dims
+        dims = list(range(first, x.ndim))
+        xf = x.to(_wide(x, dtype))
+        if op == "rmsnorm":
+            return [y, torch.rsqrt(xf.square().mean(dims, keepdim=True) + a["eps"])]
+        var = xf.var(dims, unbiased=False, keepdim=True)
+        return [y, xf.mean(dims, keepdim=True), torch.rsqrt(var + a["eps"])]
+    if node.kind == "norm_backward":
+        return _norm_backward(node, ins, dtype)
     if op == "sdpa":
         scores, v = _attention_inputs(node, x, ins[1], ins[2], ins[3])
         o = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(v.dtype) @ v

@@ -8,6 +8,7 @@ generated kernels after them can be bound at build.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,13 @@ import torch
 from ..core.engine import engines
 from ..ops import attention, conv, matmul, norm, pool, reduce
 from ..ops.epilogue import Epilogue
+
+# The norm ops' custom ops, private to ops/norm: the public layer_norm / rms_norm / instance_norm
+# return only y, and no public function runs the layer/RMS/group norm backward from given
+# statistics; these are what their autograd Functions call (_LayerNormFunction, _GroupNormFunction).
+from ..ops.norm import group as _group_ops
+from ..ops.norm import layer as _layer_ops
+from ..ops.norm.common import NO_ACTIVATION, activation_kind
 from .partition import Step
 from .types import GraphTensor, contiguous_strides, layout_strides
 
@@ -33,21 +41,24 @@ def predict_layouts(step: Step, layouts: dict) -> dict[int, tuple[int, ...]]:
     the generated kernels reading them)."""
     node = step.main
     assert node is not None
-    first = node.inputs[0] if step.fold.get("add") is None else step.fold["add"].inputs[0]
+    lead = node.inputs[1] if node.kind == "norm_backward" else node.inputs[0]  # dx follows x
+    first = lead if step.fold.get("add") is None else step.fold["add"].inputs[0]
     assert first is not None
     keep = _channels_last(first, layouts[first.uid][0]) and node.op in (
         "conv_fprop",
         "conv_dgrad",
         "batchnorm",
+        "batchnorm_backward",
         "instancenorm",
+        "instancenorm_backward",
         "pool",
         "resample",
     )
-    out = {}
-    for t in node.outputs:
-        cl = keep and t.ndim == first.ndim
-        out[t.uid] = layout_strides(t.shape, "channels_last") if cl else contiguous_strides(t.shape)
     y = node.outputs[0]
+    out = {}
+    for t in node.outputs:  # statistics and parameter gradients are contiguous
+        cl = keep and t is y and t.ndim == first.ndim
+        out[t.uid] = layout_strides(t.shape, "channels_last") if cl else contiguous_strides(t.shape)
     final = step.nodes[-1].outputs[0] if step.nodes[-1] is not node else y
     if final is not y:
         out[final.uid] = out.pop(y.uid)
@@ -142,6 +153,8 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
             env[final], env[outs[1]], env[outs[2]] = y, mean, rstd
 
         return run
+    if a.get("training") or node.kind == "norm_backward":
+        return _norm_stats_runner(step, ins, outs, final, act)
     if op in ("layernorm", "rmsnorm"):
         shape, eps = a["normalized_shape"], a["eps"]
         add = fold.get("add")
@@ -220,6 +233,105 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
             return _simple(lambda e: view(e[ins[0]]).clone(), outs)
         return _simple(lambda e: view(e[ins[0]]), outs)
     raise NotImplementedError(f"tdnn.Graph: no runner for {op}")  # every builder's op is listed above
+
+
+def _flat_stats(t: torch.Tensor) -> torch.Tensor:
+    """Saved statistics as the ops take them: one contiguous fp32 value per row."""
+    return t.reshape(-1).to(torch.float32).contiguous()
+
+
+def _norm_stats_runner(step: Step, ins: list, outs: list[int], final: int, act: str | None) -> Run:
+    """Norms in training (y and the saved statistics) and the norm backward nodes."""
+    node = step.main
+    assert node is not None
+    op, a = node.op, node.attrs
+    if op in ("layernorm", "rmsnorm", "instancenorm"):
+        kind, p0, p1 = activation_kind(act)
+        stats = node.outputs[1].shape
+        add = step.fold.get("add")
+        if op == "instancenorm":
+
+            def run(env: list, device: torch.device, presets: dict | None) -> None:
+                x = env[ins[0]]
+                w, b = (None if i is None else env[i] for i in ins[1:])
+                y, mean, rstd = _group_ops._forward(x, w, b, x.shape[1], a["eps"], kind, p0, p1)
+                env[final], env[outs[1]], env[outs[2]] = y, mean.view(stats), rstd.view(stats)
+
+            return run
+        rms, eps, n_cols = op == "rmsnorm", a["eps"], math.prod(a["normalized_shape"])
+        x_in, b_in = (ins[0], None) if add is None else (add.inputs[0].uid, add.inputs[1].uid)
+        total = None if add is None else add.outputs[0].uid
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            res = None if b_in is None else env[b_in]
+            w, b = (None if i is None else env[i] for i in (ins[1], None if rms else ins[2]))
+            y, s, mean, rstd = _layer_ops._forward(env[x_in], res, w, b, n_cols, eps, rms, kind, p0, p1)
+            env[final] = y
+            if total is not None:
+                env[total] = s
+            if rms:
+                env[outs[1]] = rstd.view(stats)
+            else:
+                env[outs[1]], env[outs[2]] = mean.view(stats), rstd.view(stats)
+
+        return run
+    dy_i, x_i, w_i = ins[:3]
+    pshape, pdtype = node.outputs[1].shape, node.outputs[1].dtype
+    constants: dict[tuple, torch.Tensor] = {}  # made once per device, never written
+
+    def constant(value: float, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        key = (value, device)
+        if key not in constants:
+            constants[key] = torch.full(shape, value, dtype=dtype, device=device)
+        return constants[key]
+
+    def weight(env: list, device: torch.device) -> torch.Tensor:
+        # Without a scale, a unit one: the ops return dweight only for a weight they are given.
+        return env[w_i] if w_i is not None else constant(1.0, pshape, pdtype, device)
+
+    if op == "batchnorm_backward":
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            dy, x = env[dy_i], env[x_i]
+            c = x.shape[1]
+            w, mean, rstd = (None if i is None else env[i].reshape(c) for i in ins[2:])
+            sum_dy, sum_dy_xhat = norm.batch_norm_backward_reduce(dy, x, mean, rstd, w)
+            count = max(x.numel() // max(c, 1), 1)
+            env[outs[0]] = norm.batch_norm_backward_apply(dy, x, mean, rstd, w, sum_dy, sum_dy_xhat, count)
+            env[outs[1]] = sum_dy_xhat.to(pdtype).reshape(pshape)  # dscale = sum(dy * x_hat)
+            env[outs[2]] = sum_dy.to(pdtype).reshape(pshape)
+
+        return run
+    # The bias operand is read only by a fused activation (none here): the weight stands in for
+    # it so that the op also returns dbias.
+    if op == "instancenorm_backward":
+
+        def run(env: list, device: torch.device, presets: dict | None) -> None:
+            x, w = env[x_i], weight(env, device)
+            mean, rstd = _flat_stats(env[ins[3]]), _flat_stats(env[ins[4]])
+            grads = _group_ops._backward(
+                env[dy_i], x, w, w, mean, rstd, x.shape[1], NO_ACTIVATION, 0.0, 0.0, True, True
+            )
+            for i, g in zip(outs, grads):
+                env[i] = g
+
+        return run
+    rms = op == "rmsnorm_backward"
+    n_cols = math.prod(a["normalized_shape"])
+
+    def run(env: list, device: torch.device, presets: dict | None) -> None:
+        w = weight(env, device)
+        rstd = _flat_stats(env[ins[-1]])
+        # RMS: a zero mean (x_hat = x * rstd), as the forward saves for the autograd backward.
+        mean = constant(0.0, rstd.shape, rstd.dtype, rstd.device) if rms else _flat_stats(env[ins[3]])
+        grads = _layer_ops._backward(
+            env[dy_i], env[x_i], w, None if rms else w, mean, rstd, None, n_cols, rms,
+            NO_ACTIVATION, 0.0, 0.0, True, not rms,
+        )  # fmt: skip
+        for i, g in zip(outs, grads):
+            env[i] = g
+
+    return run
 
 
 def _simple(fn: Callable[[list], Any], outs: list[int]) -> Run:

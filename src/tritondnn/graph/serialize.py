@@ -44,9 +44,13 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "reduction": ("mode", "dim", "keepdim"),
     "batchnorm": ("eps", "momentum"),
     "batchnorm_inference": ("params", "views"),
-    "layernorm": ("normalized_shape", "eps"),
-    "rmsnorm": ("normalized_shape", "eps"),
-    "instancenorm": ("eps",),
+    "layernorm": ("normalized_shape", "eps", "training"),
+    "rmsnorm": ("normalized_shape", "eps", "training"),
+    "instancenorm": ("eps", "training"),
+    "layernorm_backward": ("normalized_shape",),
+    "rmsnorm_backward": ("normalized_shape",),
+    "batchnorm_backward": (),
+    "instancenorm_backward": (),
     "genstats": ("dim",),
     "sdpa": ("is_causal", "scale", "enable_gqa", "return_stats"),
     "sdpa_backward": ("is_causal", "scale", "enable_gqa"),
@@ -441,12 +445,22 @@ def _build(g: Graph, op: str, name: str, ops: list, ins: dict, a: dict, dtype: t
         )
     if op == "batchnorm":
         return g.batchnorm(*ops, eps=a.get("eps"), momentum=a.get("momentum"), name=name)
-    if op == "layernorm":
-        return g.layernorm(*ops, normalized_shape=a.get("normalized_shape"), eps=a.get("eps"), name=name)
-    if op == "rmsnorm":
-        return g.rmsnorm(*ops, normalized_shape=a.get("normalized_shape"), eps=a.get("eps"), name=name)
+    # "training" is absent from documents written before it existed (and whenever it is false).
+    training = a.get("training", False)
+    if op in ("layernorm", "rmsnorm"):
+        fn = g.layernorm if op == "layernorm" else g.rmsnorm
+        return fn(
+            *ops, normalized_shape=a.get("normalized_shape"), eps=a.get("eps"), training=training, name=name
+        )
     if op == "instancenorm":
-        return g.instancenorm(*ops, eps=a.get("eps"), name=name)
+        return g.instancenorm(*ops, eps=a.get("eps"), training=training, name=name)
+    if op in ("layernorm_backward", "rmsnorm_backward"):
+        fn = g.layernorm_backward if op == "layernorm_backward" else g.rmsnorm_backward
+        return fn(*ops, normalized_shape=a.get("normalized_shape"), name=name)
+    if op in ("batchnorm_backward", "instancenorm_backward"):
+        return (g.batchnorm_backward if op == "batchnorm_backward" else g.instancenorm_backward)(
+            *ops, name=name
+        )
     if op == "genstats":
         return g.genstats(*ops, name=name)
     if op in ("sdpa", "sdpa_backward"):

@@ -204,7 +204,7 @@ class Node:
         name: unique in its graph.
         op: the operation (``"add"``, ``"matmul"``, ``"conv_fprop"``...).
         kind: its family: ``"pointwise"``, ``"matmul"``, ``"conv"``, ``"reduction"``, ``"norm"``,
-            ``"attention"``, ``"pool"``, ``"layout"``, ``"genstats"``.
+            ``"norm_backward"``, ``"attention"``, ``"pool"``, ``"layout"``, ``"genstats"``.
         inputs: operand tensors (None for an absent optional operand), named by ``slots``.
         outputs: the tensors it writes.
         attrs: JSON-serializable parameters (``Graph.serialize`` writes them as they are).

@@ -10,7 +10,7 @@ from .core.backend import backend  # first: it picks the backend before any kern
 from .core.config import config
 from .core.engine import EngineReport, engines
 from .core.errors import NotSupportedError
-from .graph import Graph, GraphError, Plan
+from .graph import Graph, GraphError, Plan, compile_graph
 from .ops.activation import (
     elu,
     gelu,
@@ -104,6 +104,7 @@ __all__ = [
     "batch_norm_backward_apply",
     "batch_norm_backward_reduce",
     "batch_norm_stats",
+    "compile_graph",
     "config",
     "conv1d",
     "conv2d",

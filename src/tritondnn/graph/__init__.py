@@ -5,9 +5,11 @@ ops with fused epilogues for the rest), then execute, explain and serialize the 
 Files: ``types`` (tensors, nodes, errors), ``nodes`` (the builders), ``graph`` (``Graph``),
 ``pointwise`` (the pointwise modes), ``partition`` (fusion), ``codegen`` and ``kernel_lib``
 (generated kernels), ``lowering`` and ``runners`` (steps), ``plan`` (``Plan``), ``serialize``
-(JSON), ``reference`` (the meaning, in PyTorch).
+(JSON), ``reference`` (the meaning, in PyTorch), ``bridge`` (``compile_graph``: PyTorch
+functions traced into plans).
 """
 
+from .bridge import CompiledGraph, GraphFallbackWarning, compile_graph
 from .codegen import STATS as KERNEL_CACHE_STATS
 from .graph import MODES, Graph
 from .plan import Candidate, Outputs, Plan
@@ -23,12 +25,15 @@ __all__ = [
     "PLAN_SCHEMA",
     "POINTWISE_OPS",
     "Candidate",
+    "CompiledGraph",
     "Graph",
     "GraphDtypeError",
     "GraphError",
+    "GraphFallbackWarning",
     "GraphTensor",
     "Node",
     "Outputs",
     "Plan",
+    "compile_graph",
     "reference",
 ]

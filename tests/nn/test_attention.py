@@ -4,6 +4,7 @@ F.scaled_dot_product_attention through tdnn.sdpa."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -114,3 +115,71 @@ def test_route_sdpa(monkeypatch):
     assert_close(got, wide, expected)
     F.scaled_dot_product_attention(q, k, v)
     assert calls == [1]
+
+
+def test_float64_module_runs_like_torch():
+    """sdpa has no fp64 kernel: a ``.double()`` model takes torch's path rather than failing."""
+    ours, theirs = _pair()
+    ours.double(), theirs.double()
+    x = randn(L, N, E, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="tritondnn falls back")
+        got = ours(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(got, theirs(x, x, x, need_weights=False)[0])
+
+
+def _bad(q_shape=(L, N, E), kv_shapes=((L, N, E), (L, N, E)), **kwargs):
+    return lambda: (randn(*q_shape), randn(*kv_shapes[0]), randn(*kv_shapes[1]), kwargs)
+
+
+BAD_CALLS = {
+    "unbatched query, batched key": _bad((L, E), ((S, N, E), (S, N, E))),
+    "embedding size": _bad((L, N, E + 1), ((L, N, E + 1), (L, N, E + 1))),
+    "key/value lengths": _bad(kv_shapes=((S, N, E), (S + 1, N, E))),
+    "integer attn_mask": _bad(attn_mask=torch.zeros(L, L, dtype=torch.int64)),
+    "integer key_padding_mask": _bad(key_padding_mask=torch.zeros(N, L, dtype=torch.int64)),
+    "2-D mask shape": _bad(attn_mask=torch.zeros(L, L + 1)),
+    "3-D mask shape": _bad(attn_mask=torch.zeros(N, L, L)),
+    "key_padding_mask shape": _bad(key_padding_mask=torch.zeros(N, L + 1)),
+    "float64 mask": _bad(attn_mask=torch.zeros(L, L, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_raises_torchs_error(case):
+    """Input torch.nn.MultiheadAttention rejects raises its error (type and message)."""
+    ours, theirs = _pair()
+    q, k, v, kwargs = BAD_CALLS[case]()
+    kwargs = {name: mask.to(DEVICE) for name, mask in kwargs.items()}
+    with pytest.raises(Exception) as expected:
+        theirs(q, k, v, need_weights=False, **kwargs)
+    with pytest.raises(type(expected.value)) as got:
+        ours(q, k, v, need_weights=False, **kwargs)
+    assert str(got.value) == str(expected.value)
+
+
+def test_batch_first_self_attention_projects_once(monkeypatch):
+    """Self-attention with batch_first keeps query is key is value: one packed GEMM, as torch."""
+    calls = []
+    real = tattn.linear
+    monkeypatch.setattr(tattn, "linear", lambda *a: calls.append(1) or real(*a))
+    ours, theirs = _pair(batch_first=True)
+    x = randn(N, L, E)
+    got = ours(x, x, x, need_weights=False)[0]
+    assert len(calls) == 2  # in-projection and out-projection
+    torch.testing.assert_close(got, theirs(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_masked_calls_take_tritondnns_path(monkeypatch, batch_first):
+    """Well-formed masks of every kind run tdnn.sdpa (not torch's forward), in both layouts."""
+    calls = []
+    real = tattn.sdpa
+    monkeypatch.setattr(tattn, "sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ours, _ = _pair(batch_first=batch_first)
+    x = randn(N, L, E) if batch_first else randn(L, N, E)
+    padding = torch.zeros(N, L, dtype=torch.bool, device=DEVICE)
+    ours(x, x, x, need_weights=False, attn_mask=randn(N * H, L, L), key_padding_mask=randn(N, L))
+    ours(x, x, x, need_weights=False, attn_mask=randn(L, L), key_padding_mask=padding)
+    ours(x, x, x, need_weights=False, key_padding_mask=padding)
+    assert len(calls) == 3

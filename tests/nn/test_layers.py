@@ -194,3 +194,46 @@ def test_constructors_and_state_dict_interchange():
     back = nn.Conv2d(3, 4, 3, padding=1)
     back.load_state_dict(ours.state_dict())
     assert torch.equal(back.weight, theirs.weight) and isinstance(ours, nn.Conv2d)
+
+
+def _quiet(module: nn.Module, x: torch.Tensor):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="tritondnn falls back")
+        return module(x)
+
+
+@pytest.mark.parametrize(
+    "make, shape, error",
+    [
+        (lambda: nn.LayerNorm(5), (3, 4), RuntimeError),
+        (lambda: nn.GroupNorm(2, 4), (3, 6, 2), RuntimeError),
+        (lambda: nn.Linear(3, 2), (4, 4), RuntimeError),
+        (lambda: nn.Conv2d(2, 3, 3), (1, 3, 5, 5), RuntimeError),
+        (lambda: nn.InstanceNorm2d(3), (2, 3, 1, 1), ValueError),  # one value per instance
+        (lambda: nn.InstanceNorm1d(3, track_running_stats=True), (3, 1), ValueError),
+    ],
+    ids=["LayerNorm", "GroupNorm", "Linear", "Conv2d", "InstanceNorm2d", "InstanceNorm1d unbatched"],
+)
+def test_bad_input_raises_torchs_error(make, shape, error):
+    """Input torch.nn rejects raises torch.nn's error (type and message), not a different one."""
+    theirs = make().to(DEVICE)
+    with pytest.raises(error) as expected:
+        theirs(randn(*shape))
+    ours = _as_ours(theirs)
+    with pytest.raises(error) as got:
+        _quiet(ours, randn(*shape))
+    assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "nearest-exact", "area"])
+def test_upsample_modes_without_kernel_run_torchs(mode):
+    torch.manual_seed(0)
+    theirs = nn.Upsample(scale_factor=2, mode=mode).to(DEVICE)
+    x = randn(1, 2, 3, 4)
+    torch.testing.assert_close(_quiet(_as_ours(theirs), x), theirs(x))
+
+
+def test_integer_input_runs_torchs():
+    x = torch.arange(-3, 4, device=DEVICE)
+    got = _quiet(tnn.ReLU(), x)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.relu(x))

@@ -155,6 +155,59 @@ def test_autocast_casts_as_pytorch(name, input_dtype):
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
+MODULE_AUTOCAST_CASES = {
+    "MaxPool3d": (lambda: nn.MaxPool3d(2), (1, 2, 4, 4, 4)),
+    "AvgPool3d": (lambda: nn.AvgPool3d(2), (1, 2, 4, 4, 4)),
+    "AdaptiveAvgPool3d": (lambda: nn.AdaptiveAvgPool3d(2), (1, 2, 3, 4, 4)),
+    "AdaptiveMaxPool3d": (lambda: nn.AdaptiveMaxPool3d(2, return_indices=True), (1, 2, 3, 4, 4)),
+    "LocalResponseNorm 4-D": (lambda: nn.LocalResponseNorm(3), (1, 5, 3, 3)),
+    "LocalResponseNorm 3-D": (lambda: nn.LocalResponseNorm(3), (2, 5, 3)),
+    "MaxPool2d": (lambda: nn.MaxPool2d(2), (1, 2, 4, 4)),
+    "Upsample nearest": (lambda: nn.Upsample(scale_factor=2), (1, 2, 3, 3)),
+    "Upsample bilinear": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), (1, 2, 3, 3)),
+    "RMSNorm": (lambda: nn.RMSNorm(8), (3, 8)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(2), (2, 2, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODULE_AUTOCAST_CASES))
+def test_autocast_modules_give_torchs_dtypes(name):
+    """Ops whose autocast policy differs between CPU and CUDA (the 3-D poolings are fp32 on CPU,
+    upsampling and rms_norm on CUDA): each module's outputs have torch's dtypes."""
+    make, shape = MODULE_AUTOCAST_CASES[name]
+    theirs = make().to(DEVICE)
+    ours = copy.deepcopy(theirs)
+    ours.__class__ = tnn.SUPPORTED[type(theirs)]
+    x = randn(*shape, dtype=torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        expected, got = theirs(x), ours(x)
+    for e, g in zip(
+        expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)
+    ):
+        assert g.dtype == e.dtype and g.shape == e.shape, name
+
+
+def test_autocast_policy_finds_tensors_in_lists_and_positional_skip():
+    """The decorator reads the device from a list of tensors, and an explicit ``skip_if`` argument
+    given by position turns the cast off as one given by keyword does."""
+    from tritondnn.core.autocast import FP32, LOWER, autocast_policy
+
+    @autocast_policy(LOWER, LOWER)
+    def dtypes_of(tensors):
+        return [t.dtype for t in tensors]
+
+    @autocast_policy(FP32, FP32, skip_if="dtype")
+    def input_dtype(x, dim, dtype=None):
+        return x.dtype
+
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert dtypes_of([randn(2), randn(2, dtype=torch.float64)]) == [torch.bfloat16, torch.float64]
+        low = randn(2, dtype=torch.bfloat16)
+        assert input_dtype(low, 0) == torch.float32
+        assert input_dtype(low, 0, dtype=torch.bfloat16) == torch.bfloat16
+        assert input_dtype(low, 0, torch.bfloat16) == torch.bfloat16
+
+
 def test_autocast_module_gradients_reach_fp32_weights():
     torch.manual_seed(0)
     lin = tnn.Linear(8, 4).to(DEVICE)

@@ -18,6 +18,7 @@ dtype). Outside autocast a call pays one flag check.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,18 +32,25 @@ FP32 = "fp32"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _device_type(args: tuple, kwargs: dict) -> str | None:
-    for a in (*args, *kwargs.values()):
+def _device_type(values: Any) -> str | None:
+    """The device type of the first tensor among ``values``, looking inside lists and tuples."""
+    for a in values:
         if isinstance(a, torch.Tensor):
             return a.device.type
+        if isinstance(a, (list, tuple)):
+            found = _device_type(a)
+            if found is not None:
+                return found
     return None
 
 
 def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
     """Autocast's rule: float64 tensors are never cast; other floating tensors are, also inside a
-    list or tuple (an RNN's flat weights, its (h0, c0))."""
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_cast(v, policy, dtype) for v in value)
+    list or tuple (an RNN's flat weights, its (h0, c0)) or a named tuple (a PackedSequence's data;
+    its integer batch sizes stay)."""
+    if isinstance(value, (list, tuple)):
+        items = (_cast(v, policy, dtype) for v in value)
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return value
     if policy in (LOWER, FP16):
@@ -60,17 +68,24 @@ def autocast_policy(cuda: str | None, cpu: str | None = None, skip_if: str | Non
     policies = {"cuda": cuda, "cpu": cpu}
 
     def decorate(fn: F) -> F:
+        # Where ``skip_if`` sits among the positional parameters (it may be passed by position).
+        names = list(inspect.signature(fn).parameters)
+        skip_at = names.index(skip_if) if skip_if in names else None
+
+        def skipped(args: tuple, kwargs: dict) -> bool:
+            if skip_if is None:
+                return False
+            if kwargs.get(skip_if) is not None:
+                return True
+            return skip_at is not None and len(args) > skip_at and args[skip_at] is not None
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
                 return fn(*args, **kwargs)
-            device_type = _device_type(args, kwargs)
+            device_type = _device_type((*args, *kwargs.values()))
             policy = policies.get(device_type) if device_type is not None else None
-            if (
-                policy is None
-                or not torch.is_autocast_enabled(device_type)
-                or (skip_if is not None and kwargs.get(skip_if) is not None)
-            ):
+            if policy is None or not torch.is_autocast_enabled(device_type) or skipped(args, kwargs):
                 return fn(*args, **kwargs)
             dtype = torch.float16 if policy == FP16 else torch.get_autocast_dtype(device_type)
             args = tuple(_cast(a, policy, dtype) for a in args)

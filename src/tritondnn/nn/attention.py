@@ -12,7 +12,7 @@ from torch import nn
 
 from ..ops.attention import sdpa
 from ..ops.matmul import linear
-from .layers import on_backend
+from .layers import on_backend, run_or_fallback
 
 
 def _attend_mask(mask: torch.Tensor, attended_when: bool) -> torch.Tensor:
@@ -38,6 +38,15 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype)
     return additive(a) + additive(b)
 
 
+def _each(fn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn`` of each, keeping ``query is key`` and ``key is value`` (one packed projection GEMM
+    for self-attention, as torch keeps them)."""
+    q = fn(query)
+    k = q if key is query else fn(key)
+    v = q if value is query else k if value is key else fn(value)
+    return q, k, v
+
+
 class MultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose ``need_weights=False`` path runs the projections with
     ``tdnn.linear`` and the attention with ``tdnn.sdpa`` (flash attention: no (L, S) weights).
@@ -45,7 +54,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     ``batch_first`` both ways, unbatched inputs, ``key_padding_mask`` and ``attn_mask`` (bool:
     True = not allowed, as torch.nn's; or float, added), ``is_causal`` and dropout are taken.
     ``need_weights=True`` (the weights must exist), ``add_bias_kv`` and ``add_zero_attn`` run
-    torch's forward. A query row that may see no key gives zeros where torch gives NaN.
+    torch's forward, as do inputs torch rejects (so its errors are raised) and problems sdpa
+    declines (float64, say). A query row that may see no key gives zeros where torch gives NaN.
     """
 
     def forward(
@@ -65,18 +75,66 @@ class MultiheadAttention(nn.MultiheadAttention):
             and not self.add_zero_attn
             and on_backend(query)
             and not (is_causal and attn_mask is None)  # torch raises: the mask is required
-            and query.dim() in (2, 3)
+            and self._well_formed(query, key, value, key_padding_mask, attn_mask)
         )
+        theirs = super().forward
+        args = (query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal)
         if not fused:
-            return super().forward(
-                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
-            )
+            return theirs(*args)
+        return run_or_fallback(
+            self,
+            query,
+            lambda: self._fused(query, key, value, key_padding_mask, attn_mask, is_causal),
+            lambda: theirs(*args),
+        )
+
+    def _well_formed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> bool:
+        """Whether torch's forward would accept these inputs (else it runs, raising its error):
+        ranks, embedding sizes, lengths and batch sizes, mask shapes and dtypes (bool, or floating
+        in the query's dtype)."""
+        rank = query.dim()
+        if rank not in (2, 3) or key.dim() != rank or value.dim() != rank:
+            return False
+        if (query.shape[-1], key.shape[-1], value.shape[-1]) != (self.embed_dim, self.kdim, self.vdim):
+            return False
+        seq, bat = (1, 0) if rank == 3 and self.batch_first else (0, 1)
+        if key.shape[:-1] != value.shape[:-1] or (rank == 3 and query.shape[bat] != key.shape[bat]):
+            return False
+        length, source = query.shape[seq], key.shape[seq]
+        batch = query.shape[bat] if rank == 3 else 1
+        heads_shape = (
+            (batch * self.num_heads, length, source) if rank == 3 else (self.num_heads, length, source)
+        )
+        kpm_shape = (batch, source) if rank == 3 else (source,)
+        for mask, shapes in ((key_padding_mask, (kpm_shape,)), (attn_mask, ((length, source), heads_shape))):
+            if mask is None:
+                continue
+            if tuple(mask.shape) not in shapes or mask.dtype not in (torch.bool, query.dtype):
+                return False
+        return True
+
+    def _fused(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, None]:
         unbatched = query.dim() == 2
         if unbatched:
-            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            query, key, value = _each(lambda t: t.unsqueeze(1), query, key, value)
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
         elif self.batch_first:
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+            query, key, value = _each(lambda t: t.transpose(0, 1), query, key, value)
         # (L, N, E) from here, as torch's functional form.
         length, batch, embed = query.shape
         source = key.shape[0]

@@ -21,10 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..core.autocast import FP32, autocast_policy
 from ..core.backend import ON_DEVICE_ATTR
 from ..core.errors import NotSupportedError
 
 _warned: set[str] = set()
+
+# Ops PyTorch's autocast runs in float32 on one device type only, where the functional op
+# declares no policy: on CPU the 3-D poolings (and local_response_norm of a 4-D or larger input,
+# which pools with avg_pool3d); on CUDA the upsampling kernels and rms_norm.
+_cpu_fp32 = autocast_policy(None, FP32)
+_cuda_fp32 = autocast_policy(FP32, None)
 
 
 def on_backend(x: object) -> bool:
@@ -34,17 +41,26 @@ def on_backend(x: object) -> bool:
 
 def run_or_fallback(module: nn.Module, x: object, ours: Callable[[], Any], theirs: Callable[[], Any]) -> Any:
     """``ours()`` when ``x`` is on the backend's device and an engine takes the problem, else
-    ``theirs()`` (torch's forward), warning once per distinct reason."""
+    ``theirs()`` (torch's forward), warning once per distinct reason.
+
+    An input tritondnn's argument checks reject (a ``TypeError``/``ValueError`` naming the op,
+    ``tdnn.<op>: ...``, raised before any launch) runs ``theirs()`` too: for input torch rejects
+    as well, the caller gets torch's own error, as torch.nn's contract promises; for input only
+    tritondnn lacks (an integer dtype, an interpolation mode without a kernel), torch's result,
+    with the warning."""
     if not on_backend(x):
         return theirs()
     try:
         return ours()
-    except NotSupportedError as e:
+    except (NotSupportedError, TypeError, ValueError) as e:
+        if not isinstance(e, NotSupportedError) and not str(e).startswith("tdnn."):
+            raise  # not an argument check of ours (those name the op): a bug to see, not to hide
+        result = theirs()  # raises torch's error where torch rejects the input too
         reason = f"{type(module).__name__}: {e}"
         if reason not in _warned:
             _warned.add(reason)
             warnings.warn(f"tritondnn falls back to torch for {reason}", stacklevel=3)
-        return theirs()
+        return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +209,8 @@ class _InstanceNormMixin:
     ``tdnn.instance_norm``."""
 
     def _apply_instance_norm(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training or not self.track_running_stats:
+            F._verify_spatial_size(input.size())  # torch's error for one value per instance
         args = (
             input, self.running_mean, self.running_var, self.weight, self.bias,
             self.training or not self.track_running_stats,
@@ -224,14 +242,15 @@ class LayerNorm(nn.LayerNorm):
         )
 
 
+_rms_norm = _cuda_fp32(ops.norm.rms_norm)
+
+
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` through ``tdnn.rms_norm``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.normalized_shape, self.weight, self.eps)
-        return run_or_fallback(
-            self, input, lambda: ops.norm.rms_norm(*args), lambda: nn.RMSNorm.forward(self, input)
-        )
+        return run_or_fallback(self, input, lambda: _rms_norm(*args), lambda: nn.RMSNorm.forward(self, input))
 
 
 class GroupNorm(nn.GroupNorm):
@@ -244,15 +263,19 @@ class GroupNorm(nn.GroupNorm):
         )
 
 
+_lrn_pool3d = _cpu_fp32(ops.pool.local_response_norm)
+
+
 class LocalResponseNorm(nn.LocalResponseNorm):
     """``torch.nn.LocalResponseNorm`` through ``tdnn.local_response_norm``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.size, self.alpha, self.beta, self.k)
+        fn = _lrn_pool3d if input.dim() >= 4 else ops.pool.local_response_norm
         return run_or_fallback(
             self,
             input,
-            lambda: ops.pool.local_response_norm(*args),
+            lambda: fn(*args),
             lambda: nn.LocalResponseNorm.forward(self, input),
         )
 
@@ -286,7 +309,7 @@ class MaxPool2d(nn.MaxPool2d):
 class MaxPool3d(nn.MaxPool3d):
     """``torch.nn.MaxPool3d`` through ``tdnn.max_pool3d``."""
 
-    forward = _max_pool(ops.pool.max_pool3d, nn.MaxPool3d)
+    forward = _max_pool(_cpu_fp32(ops.pool.max_pool3d), nn.MaxPool3d)
 
 
 class AvgPool1d(nn.AvgPool1d):
@@ -319,7 +342,7 @@ class AvgPool2d(nn.AvgPool2d):
 class AvgPool3d(nn.AvgPool3d):
     """``torch.nn.AvgPool3d`` through ``tdnn.avg_pool3d``."""
 
-    forward = _avg_pool(ops.pool.avg_pool3d, nn.AvgPool3d)
+    forward = _avg_pool(_cpu_fp32(ops.pool.avg_pool3d), nn.AvgPool3d)
 
 
 def _adaptive(
@@ -347,7 +370,7 @@ class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 class AdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
     """``torch.nn.AdaptiveAvgPool3d`` through ``tdnn.adaptive_avg_pool3d``."""
 
-    forward = _adaptive(ops.pool.adaptive_avg_pool3d, nn.AdaptiveAvgPool3d, False)
+    forward = _adaptive(_cpu_fp32(ops.pool.adaptive_avg_pool3d), nn.AdaptiveAvgPool3d, False)
 
 
 class AdaptiveMaxPool1d(nn.AdaptiveMaxPool1d):
@@ -365,18 +388,24 @@ class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 class AdaptiveMaxPool3d(nn.AdaptiveMaxPool3d):
     """``torch.nn.AdaptiveMaxPool3d`` through ``tdnn.adaptive_max_pool3d``."""
 
-    forward = _adaptive(ops.pool.adaptive_max_pool3d, nn.AdaptiveMaxPool3d, True)
+    forward = _adaptive(_cpu_fp32(ops.pool.adaptive_max_pool3d), nn.AdaptiveMaxPool3d, True)
+
+
+_upsample = _cuda_fp32(ops.pool.interpolate)
 
 
 class Upsample(nn.Upsample):
-    """``torch.nn.Upsample`` through ``tdnn.interpolate``."""
+    """``torch.nn.Upsample`` through ``tdnn.interpolate`` (torch's forward for the modes it has no
+    kernel for)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.size, self.scale_factor, self.mode, self.align_corners)
+        # CUDA autocast runs upsampling in fp32; "area" is adaptive_avg_pool, which it leaves be.
+        fn = ops.pool.interpolate if self.mode == "area" else _upsample
         return run_or_fallback(
             self,
             input,
-            lambda: ops.pool.interpolate(*args, recompute_scale_factor=self.recompute_scale_factor),
+            lambda: fn(*args, recompute_scale_factor=self.recompute_scale_factor),
             lambda: nn.Upsample.forward(self, input),
         )
 

@@ -317,6 +317,29 @@ def test_bf16(cell, algo):
     _check(cell, m, x, _states(cell, m, 8, torch.bfloat16), torch.bfloat16, algo=algo, what="bf16")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_autocast_as_torch(cell, packed):
+    """Under autocast, the output dtype is torch's (CUDA: fp16, as cuDNN's RNNs, for padded and
+    packed input alike; CPU: an LSTM in the autocast dtype, GRU and RNN in fp32), and the
+    recurrence never sees mixed dtypes (the input projection cast by ``linear``'s own policy, the
+    recurrent weights not). Torch's CPU autocast casts ``lstm.input`` but not ``lstm.data`` (a
+    packed input stays fp32); ours casts both, as on CUDA."""
+    m = _module(cell, 3, 5).float().to(DEVICE)
+    x = torch.randn(4, 2, 3, device=DEVICE)
+    inp = pack_padded_sequence(x, [4, 3]) if packed else x
+    ws = [w.detach() for w in m._flat_weights]
+    with torch.no_grad():
+        full = _flat(*m(inp))
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            theirs = _flat(*m(inp))
+            ours = _flat(*FUNCS[cell](inp, None, ws))
+    cpu_packed_lstm = not ON_GPU and packed and cell == "lstm"
+    for a, b, c in zip(ours, theirs, full):
+        assert a.dtype == (torch.bfloat16 if cpu_packed_lstm else b.dtype), (a.dtype, b.dtype)
+        assert (a.float() - c).abs().max() < 0.05
+
+
 # ---------------------------------------------------------------------------------------------
 # Realistic sizes on a GPU.
 
@@ -360,6 +383,23 @@ def test_engine_reports_and_forced_engines():
         R.gru(x, None, ws, algo="persistent")
     with pytest.raises(ValueError, match="algo"):
         R.gru(x, None, ws, algo="winograd")
+
+
+def test_engines_refuse_int32_offset_overflow():
+    """The kernels index the weights (D * G * P elements) and the state slots' rows (D * NS * B)
+    in int32 (activations in int64): a problem past 2**31 there gets a reason from every engine,
+    never a launch that would wrap around. 4 * 23200 * 23200 > 2**31."""
+    x = torch.empty(8, 4, 16, device=DEVICE)
+    reports = {r.name: r for r in tdnn.engines("rnn", x, 23200, "lstm")}
+    assert not any(r.supported for r in reports.values())
+    for name in ("persistent-tiled", "per-step"):
+        assert any("2**31" in reason for reason in reports[name].reasons), reports[name].reasons
+    # Just below the limit (4 * 23170**2 < 2**31) the streaming engines still run it.
+    reports = {r.name: r for r in tdnn.engines("rnn", x, 23170, "lstm")}
+    assert reports["per-step"].supported and reports["persistent-tiled"].supported
+    # Many rows of states: D * (T + 1) * B past 2**31 when saving for the backward pass.
+    p = R.RNNProblem("gru", True, True, "float16", 2**20, 2**11, 8, 8, 1, True, False, False)
+    assert all(engine.not_supported_reasons(p) for engine in R.FAMILY.engines)
 
 
 def test_cost_model_prefers_resident_then_per_step():
@@ -459,7 +499,15 @@ def test_empty_batch():
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU backend's device rule")
-def test_error_weights_on_another_device():
+def test_error_input_on_another_device():
     _, ws = _weights()
     with pytest.raises(ValueError, match="device"):
         R.lstm(torch.randn(3, 2, 4, device="meta"), None, ws)
+
+
+def test_error_weights_on_another_device():
+    """The input on the backend's device, one weight elsewhere: the weight is named."""
+    _, ws = _weights(num_layers=2)
+    ws[5] = ws[5].to("meta")  # w_hh of layer 1
+    with pytest.raises(ValueError, match="weight 'weight_hh_l1' is on meta"):
+        R.lstm(torch.randn(3, 2, 4, device=DEVICE), None, ws, True, 2)

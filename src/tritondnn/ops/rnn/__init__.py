@@ -357,8 +357,21 @@ def _unpack(data: torch.Tensor, batch_sizes: torch.Tensor):
 # The network: layers, directions, dropout, packing.
 
 
-def _run(op, cell, input, hx, weights, bias, num_layers, dropout, training, bidirectional, batch_first,
-         proj_size, lengths, enforce_sorted, seed, algo):  # fmt: skip
+def _run(op, cell, input, hx, weights, *args):
+    """The network with autocast off inside. Autocast still on here means the public function's
+    policy left this device type alone (CPU GRU and RNN, which torch runs in fp32): left on, it
+    would cast the input projection (``linear``) but not the recurrent weights, and the kernels
+    would get mixed dtypes (and a launcher cached for them)."""
+    data = input.data if isinstance(input, PackedSequence) else input
+    device_type = data.device.type if isinstance(data, torch.Tensor) else None
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return _network(op, cell, input, hx, weights, *args)
+    with torch.autocast(device_type, enabled=False):
+        return _network(op, cell, input, hx, weights, *args)
+
+
+def _network(op, cell, input, hx, weights, bias, num_layers, dropout, training, bidirectional, batch_first,
+             proj_size, lengths, enforce_sorted, seed, algo):  # fmt: skip
     name = _NAMES[cell]
     if cell != "lstm" and proj_size:
         raise ValueError(f"{op}: proj_size argument is only supported for LSTM, not RNN or GRU")

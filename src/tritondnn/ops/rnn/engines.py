@@ -99,6 +99,25 @@ class RNNProblem(Problem):
         return _FLOPS_PER_SM_US["tf32" if self.tf32 else self.dtype]
 
 
+def _int32_reasons(p: RNNProblem) -> list[str]:
+    """The kernels index activations (x, y, sv, the state slots' columns) in int64 from the batch
+    offsets, but the recurrent weights (D * G * P elements) and the state slots' rows
+    (D * NS * B, times P in int64) in int32, which keeps the per-step address arithmetic cheap:
+    past 2**31 those would wrap, so every engine refuses the problem (torch.nn falls back)."""
+    reasons = []
+    if p.directions * p.gates * p.hidden * p.state >= 2**31:
+        reasons.append(
+            f"recurrent weights of {p.directions * p.gates * p.hidden * p.state} elements reach 2**31 "
+            "(int32 weight offsets)"
+        )
+    if p.directions * p.slots * p.batch >= 2**31:
+        reasons.append(
+            f"{p.directions * p.slots * p.batch} state rows (directions x time slots x batch) reach 2**31 "
+            "(int32 row offsets)"
+        )
+    return reasons
+
+
 def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
@@ -213,7 +232,7 @@ class PersistentEngine(Engine[RNNProblem]):
                 f"recurrent weights of {p.resident_elements()} elements (padded) per direction exceed the "
                 f"{limit} one program keeps on chip"
             ]
-        return []
+        return _int32_reasons(p)
 
     def cost(self, p: RNNProblem) -> float:
         block_b = _block_b(p, 64)
@@ -253,6 +272,9 @@ class PersistentTiledEngine(Engine[RNNProblem]):
     """One launch per layer; weights streamed from cache in tiles each step."""
 
     name = "persistent-tiled"
+
+    def not_supported_reasons(self, p: RNNProblem) -> list[str]:
+        return _int32_reasons(p)
 
     def cost(self, p: RNNProblem) -> float:
         block_b = _block_b(p, 32)
@@ -305,6 +327,9 @@ class PerStepEngine(Engine[RNNProblem]):
     """A launch per step over (hidden tiles, batch blocks, directions): the large-H fallback."""
 
     name = "per-step"
+
+    def not_supported_reasons(self, p: RNNProblem) -> list[str]:
+        return _int32_reasons(p)
 
     @staticmethod
     def _step_us(p: RNNProblem, cfg: LaunchConfig) -> float:

@@ -7,7 +7,9 @@ done outside (``ops.matmul``); these kernels do only what must be sequential in 
 
 Arguments shared by the kernels, documented once. T steps, B batch rows, D directions, H hidden
 units, P state width (H, or proj_size for a projected LSTM), NG gates (4 LSTM, 3 GRU, 1 RNN),
-G = NG * H. Every tensor is contiguous.
+G = NG * H. Every tensor is contiguous. Offsets: int64 from the batch rows ``b`` on (x, y, sv,
+ht, the gradients, the state slots' columns); int32 for the weights (D * G * P elements) and
+the state slots' rows (D * NS * B), which the engines keep below 2**31 (``_int32_reasons``).
 
 * ``x`` (T, B, D, G): the input projection of every step and direction, in torch's gate order.
 * ``whh`` (D, G, P), ``bhh`` (D, G), ``whr`` (D, P, H): recurrent weights, bias and projection.

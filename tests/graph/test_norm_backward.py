@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from graph_check import check_plan, feeds_for
 
-from helpers import assert_close
+from helpers import DEVICE, assert_close
 from tritondnn.graph import Graph, GraphError
 
 
@@ -70,7 +70,8 @@ def test_layernorm_backward_without_scale_after_a_fused_residual_add():
     feeds = feeds_for(g)
     plan, out = check_plan(g, feeds)
     assert plan.steps[0].fold["add"].name == "s"  # the add still folds into the norm's kernel
-    ones, zeros = torch.ones(16), torch.zeros(16)  # dscale, dbias: what a unit scale, zero bias get
+    # dscale, dbias: what a unit scale and a zero bias get
+    ones, zeros = torch.ones(16, device=DEVICE), torch.zeros(16, device=DEVICE)
     fn = lambda x, w, b: F.layer_norm(x, (16,), w, b)
     x = feeds["a"] + feeds["r"]
     check_grads(out, "lnb", fn, feeds, "dy", {"dscale": "w", "dbias": "b"}, x=x, w=ones, b=zeros)
@@ -120,7 +121,7 @@ def test_instancenorm_training_stats_feed_instancenorm_backward():
         g.set_output(t)
     feeds = feeds_for(g)
     _, out = check_plan(g, feeds)
-    ones, zeros = torch.ones(3), torch.zeros(3)
+    ones, zeros = torch.ones(3, device=DEVICE), torch.zeros(3, device=DEVICE)
     fn = lambda x, w, b: F.instance_norm(x, None, None, w, b, True, 0.1, 1e-4)
     check_grads(out, "inb", fn, feeds, "dy", {"dscale": "w", "dbias": "b"}, x=feeds["x"], w=ones, b=zeros)
 
@@ -135,7 +136,8 @@ def test_backward_from_fed_statistics():
     assert grads[1].dtype == torch.float64
     for t in grads:
         g.set_output(t)
-    xs = torch.randn(4, 7, 6) * 3 + 100  # a large mean: x_hat must be taken about the saved mean
+    # a large mean: x_hat must be taken about the saved mean
+    xs = torch.randn(4, 7, 6, device=DEVICE) * 3 + 100
     _, m, r = torch.native_layer_norm(xs.double(), (7, 6), None, None, 1e-5)
     feeds = feeds_for(g, x=xs, mean=m.float(), inv=r.float())
     _, out = check_plan(g, feeds)

@@ -173,7 +173,7 @@ MODULE_AUTOCAST_CASES = {
 @pytest.mark.parametrize("name", list(MODULE_AUTOCAST_CASES))
 def test_autocast_modules_give_torchs_dtypes(name):
     """Ops whose autocast policy differs between CPU and CUDA (the 3-D poolings are fp32 on CPU,
-    upsampling and rms_norm on CUDA): each module's outputs have torch's dtypes."""
+    upsampling and local_response_norm on CUDA): each module's outputs have torch's dtypes."""
     make, shape = MODULE_AUTOCAST_CASES[name]
     theirs = make().to(DEVICE)
     ours = copy.deepcopy(theirs)

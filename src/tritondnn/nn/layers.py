@@ -27,9 +27,10 @@ from ..core.errors import NotSupportedError
 
 _warned: set[str] = set()
 
-# Ops PyTorch's autocast runs in float32 on one device type only, where the functional op
-# declares no policy: on CPU the 3-D poolings (and local_response_norm of a 4-D or larger input,
-# which pools with avg_pool3d); on CUDA the upsampling kernels and rms_norm.
+# Ops PyTorch's autocast runs in float32 where the functional op declares no policy (checked
+# against PyTorch on an H100 and on the CPU): on CPU the 3-D poolings and local_response_norm of
+# a 4-D or larger input (it pools with avg_pool3d); on CUDA the upsampling kernels and
+# local_response_norm of any rank (its pow runs in fp32). rms_norm keeps the input's dtype.
 _cpu_fp32 = autocast_policy(None, FP32)
 _cuda_fp32 = autocast_policy(FP32, None)
 
@@ -242,15 +243,14 @@ class LayerNorm(nn.LayerNorm):
         )
 
 
-_rms_norm = _cuda_fp32(ops.norm.rms_norm)
-
-
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` through ``tdnn.rms_norm``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.normalized_shape, self.weight, self.eps)
-        return run_or_fallback(self, input, lambda: _rms_norm(*args), lambda: nn.RMSNorm.forward(self, input))
+        return run_or_fallback(
+            self, input, lambda: ops.norm.rms_norm(*args), lambda: nn.RMSNorm.forward(self, input)
+        )
 
 
 class GroupNorm(nn.GroupNorm):
@@ -263,7 +263,8 @@ class GroupNorm(nn.GroupNorm):
         )
 
 
-_lrn_pool3d = _cpu_fp32(ops.pool.local_response_norm)
+_lrn_3d = _cuda_fp32(ops.pool.local_response_norm)
+_lrn_4d = autocast_policy(FP32, FP32)(ops.pool.local_response_norm)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):
@@ -271,7 +272,7 @@ class LocalResponseNorm(nn.LocalResponseNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.size, self.alpha, self.beta, self.k)
-        fn = _lrn_pool3d if input.dim() >= 4 else ops.pool.local_response_norm
+        fn = _lrn_4d if input.dim() >= 4 else _lrn_3d
         return run_or_fallback(
             self,
             input,

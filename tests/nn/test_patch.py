@@ -135,6 +135,26 @@ AUTOCAST_CASES = {
         lambda x: tdnn.lstm(x.view(4, 1, 8), None, _lstm_weights())[0],
         lambda x: torch.lstm(x.view(4, 1, 8), (x.new_zeros(1, 1, 4),) * 2, _lstm_weights(), *_LSTM_FLAGS)[0],
     ),
+    "max_pool3d": (
+        lambda x: tdnn.max_pool3d(x.view(1, 1, 2, 4, 4), 2),
+        lambda x: F.max_pool3d(x.view(1, 1, 2, 4, 4), 2),
+    ),
+    "adaptive_avg_pool3d": (
+        lambda x: tdnn.adaptive_avg_pool3d(x.view(1, 1, 2, 4, 4), 1),
+        lambda x: F.adaptive_avg_pool3d(x.view(1, 1, 2, 4, 4), 1),
+    ),
+    "interpolate": (
+        lambda x: tdnn.interpolate(x.view(1, 2, 4, 4), scale_factor=2),
+        lambda x: F.interpolate(x.view(1, 2, 4, 4), scale_factor=2),
+    ),
+    "local_response_norm 4-D": (
+        lambda x: tdnn.local_response_norm(x.view(1, 4, 2, 4), 3),
+        lambda x: F.local_response_norm(x.view(1, 4, 2, 4), 3),
+    ),
+    "local_response_norm 3-D": (
+        lambda x: tdnn.local_response_norm(x.view(2, 4, 4), 3),
+        lambda x: F.local_response_norm(x.view(2, 4, 4), 3),
+    ),
     "sdpa": (
         lambda x: tdnn.sdpa(*(x.view(1, 1, 4, 8),) * 3),
         lambda x: F.scaled_dot_product_attention(*(x.view(1, 1, 4, 8),) * 3),

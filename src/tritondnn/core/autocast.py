@@ -58,8 +58,12 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
     return value.float() if value.dtype in _LOW_PRECISION else value
 
 
-def autocast_policy(cuda: str | None, cpu: str | None = None, skip_if: str | None = None) -> Callable[[F], F]:
-    """Decorate a public op with its autocast policy on CUDA and on CPU (None: no cast there).
+Policy = str | Callable[[torch.Tensor], str | None] | None
+
+
+def autocast_policy(cuda: Policy, cpu: Policy = None, skip_if: str | None = None) -> Callable[[F], F]:
+    """Decorate a public op with its autocast policy on CUDA and on CPU (None: no cast there; a
+    function of the first argument where PyTorch's policy depends on it, e.g. on the rank).
 
     ``skip_if`` names a keyword argument that, when given (not None), turns the cast off, as an
     explicit ``dtype=`` does for PyTorch's softmax. Floating tensors among the arguments are cast,
@@ -85,6 +89,8 @@ def autocast_policy(cuda: str | None, cpu: str | None = None, skip_if: str | Non
                 return fn(*args, **kwargs)
             device_type = _device_type((*args, *kwargs.values()))
             policy = policies.get(device_type) if device_type is not None else None
+            if callable(policy):
+                policy = policy(args[0])
             if policy is None or not torch.is_autocast_enabled(device_type) or skipped(args, kwargs):
                 return fn(*args, **kwargs)
             dtype = torch.float16 if policy == FP16 else torch.get_autocast_dtype(device_type)

@@ -21,18 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..core.autocast import FP32, autocast_policy
 from ..core.backend import ON_DEVICE_ATTR
 from ..core.errors import NotSupportedError
 
 _warned: set[str] = set()
-
-# Ops PyTorch's autocast runs in float32 where the functional op declares no policy (checked
-# against PyTorch on an H100 and on the CPU): on CPU the 3-D poolings and local_response_norm of
-# a 4-D or larger input (it pools with avg_pool3d); on CUDA the upsampling kernels and
-# local_response_norm of any rank (its pow runs in fp32). rms_norm keeps the input's dtype.
-_cpu_fp32 = autocast_policy(None, FP32)
-_cuda_fp32 = autocast_policy(FP32, None)
 
 
 def on_backend(x: object) -> bool:
@@ -263,20 +255,15 @@ class GroupNorm(nn.GroupNorm):
         )
 
 
-_lrn_3d = _cuda_fp32(ops.pool.local_response_norm)
-_lrn_4d = autocast_policy(FP32, FP32)(ops.pool.local_response_norm)
-
-
 class LocalResponseNorm(nn.LocalResponseNorm):
     """``torch.nn.LocalResponseNorm`` through ``tdnn.local_response_norm``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.size, self.alpha, self.beta, self.k)
-        fn = _lrn_4d if input.dim() >= 4 else _lrn_3d
         return run_or_fallback(
             self,
             input,
-            lambda: fn(*args),
+            lambda: ops.pool.local_response_norm(*args),
             lambda: nn.LocalResponseNorm.forward(self, input),
         )
 
@@ -310,7 +297,7 @@ class MaxPool2d(nn.MaxPool2d):
 class MaxPool3d(nn.MaxPool3d):
     """``torch.nn.MaxPool3d`` through ``tdnn.max_pool3d``."""
 
-    forward = _max_pool(_cpu_fp32(ops.pool.max_pool3d), nn.MaxPool3d)
+    forward = _max_pool(ops.pool.max_pool3d, nn.MaxPool3d)
 
 
 class AvgPool1d(nn.AvgPool1d):
@@ -343,7 +330,7 @@ class AvgPool2d(nn.AvgPool2d):
 class AvgPool3d(nn.AvgPool3d):
     """``torch.nn.AvgPool3d`` through ``tdnn.avg_pool3d``."""
 
-    forward = _avg_pool(_cpu_fp32(ops.pool.avg_pool3d), nn.AvgPool3d)
+    forward = _avg_pool(ops.pool.avg_pool3d, nn.AvgPool3d)
 
 
 def _adaptive(
@@ -371,7 +358,7 @@ class AdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
 class AdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
     """``torch.nn.AdaptiveAvgPool3d`` through ``tdnn.adaptive_avg_pool3d``."""
 
-    forward = _adaptive(_cpu_fp32(ops.pool.adaptive_avg_pool3d), nn.AdaptiveAvgPool3d, False)
+    forward = _adaptive(ops.pool.adaptive_avg_pool3d, nn.AdaptiveAvgPool3d, False)
 
 
 class AdaptiveMaxPool1d(nn.AdaptiveMaxPool1d):
@@ -389,10 +376,7 @@ class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
 class AdaptiveMaxPool3d(nn.AdaptiveMaxPool3d):
     """``torch.nn.AdaptiveMaxPool3d`` through ``tdnn.adaptive_max_pool3d``."""
 
-    forward = _adaptive(_cpu_fp32(ops.pool.adaptive_max_pool3d), nn.AdaptiveMaxPool3d, True)
-
-
-_upsample = _cuda_fp32(ops.pool.interpolate)
+    forward = _adaptive(ops.pool.adaptive_max_pool3d, nn.AdaptiveMaxPool3d, True)
 
 
 class Upsample(nn.Upsample):
@@ -401,12 +385,10 @@ class Upsample(nn.Upsample):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, self.size, self.scale_factor, self.mode, self.align_corners)
-        # CUDA autocast runs upsampling in fp32; "area" is adaptive_avg_pool, which it leaves be.
-        fn = ops.pool.interpolate if self.mode == "area" else _upsample
         return run_or_fallback(
             self,
             input,
-            lambda: fn(*args, recompute_scale_factor=self.recompute_scale_factor),
+            lambda: ops.pool.interpolate(*args, recompute_scale_factor=self.recompute_scale_factor),
             lambda: nn.Upsample.forward(self, input),
         )
 

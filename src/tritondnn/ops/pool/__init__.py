@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ...core.autocast import FP32, autocast_policy
 from .common import (
     INDEX_NONE,
     channels_last_format,
@@ -195,6 +196,7 @@ def max_pool2d(
     )
 
 
+@autocast_policy(None, FP32)  # PyTorch's CPU autocast runs 3-D pooling in fp32
 def max_pool3d(
     input: torch.Tensor,
     kernel_size: IntOrTuple,
@@ -255,6 +257,7 @@ def avg_pool2d(
     )
 
 
+@autocast_policy(None, FP32)  # PyTorch's CPU autocast runs 3-D pooling in fp32
 def avg_pool3d(
     input: torch.Tensor,
     kernel_size: IntOrTuple,
@@ -302,6 +305,7 @@ def adaptive_max_pool2d(
     return _adaptive_pool("tdnn.adaptive_max_pool2d", 2, input, output_size, True, return_indices)
 
 
+@autocast_policy(None, FP32)  # PyTorch's CPU autocast runs 3-D pooling in fp32
 def adaptive_max_pool3d(
     input: torch.Tensor, output_size: OutputSize, return_indices: bool = False
 ) -> WithIndices:
@@ -325,6 +329,7 @@ def adaptive_avg_pool2d(input: torch.Tensor, output_size: OutputSize) -> torch.T
     return _adaptive_pool("tdnn.adaptive_avg_pool2d", 2, input, output_size, False, False)
 
 
+@autocast_policy(None, FP32)  # PyTorch's CPU autocast runs 3-D pooling in fp32
 def adaptive_avg_pool3d(input: torch.Tensor, output_size: OutputSize) -> torch.Tensor:
     """``F.adaptive_avg_pool3d`` on (N, C, D, H, W) or (C, D, H, W); see ``adaptive_avg_pool2d``."""
     return _adaptive_pool("tdnn.adaptive_avg_pool3d", 3, input, output_size, False, False)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.autocast import FP32, autocast_policy
 from ...core.checks import check_float, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
@@ -246,6 +247,8 @@ class _LrnFunction(torch.autograd.Function):
         return lrn_backward(dy, x, scale, *ctx.params), None, None, None, None
 
 
+# PyTorch's autocast: fp32 on CUDA (its pow); on CPU for 4-D and larger inputs (via avg_pool3d).
+@autocast_policy(FP32, lambda x: FP32 if x.dim() >= 4 else None)
 def local_response_norm(
     input: torch.Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0
 ) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.autocast import FP32, autocast_policy
 from ...core.checks import check_choice, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
@@ -392,6 +393,7 @@ def _scale_factors(op: str, scale_factor: object, dims: int) -> tuple[float, ...
     return tuple(float(v) for v in values)
 
 
+@autocast_policy(FP32)  # PyTorch's CUDA autocast runs the upsampling kernels in fp32
 def interpolate(
     input: torch.Tensor,
     size: int | Sequence[int] | None = None,

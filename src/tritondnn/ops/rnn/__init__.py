@@ -539,7 +539,8 @@ _COMMON_DOC = """
 """
 
 
-@autocast_policy(FP16, LOWER)
+# PyTorch's CPU autocast casts lstm's padded-input overload only (a packed input stays fp32).
+@autocast_policy(FP16, lambda input: None if isinstance(input, PackedSequence) else LOWER)
 def lstm(
     input: torch.Tensor | PackedSequence,
     hx: tuple[torch.Tensor, torch.Tensor] | None,

@@ -257,3 +257,13 @@ def test_captured_tensors_and_modules_fall_back():
         compiled = compile_graph(fn)
         with pytest.warns(GraphFallbackWarning, match=why):
             torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_torch_compile_still_traces_tritondnn_ops_after_a_bridge_trace():
+    """fx's tracing must not leave torch._dynamo unable to trace math.isfinite (the argument
+    checks of tritondnn's ops call it) in later fullgraph compiles."""
+    x = randn(4, 8)
+    compile_graph(lambda a: torch.relu(a) * 2)(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a: tdnn.silu(a, beta=1.5).sum(), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), tdnn.silu(x, beta=1.5).sum())

@@ -72,11 +72,16 @@ def test_every_mode_in_one_kernel(dtype, poison):
     g = Graph(io_dtype=dtype)
     a = g.tensor((3, 1, 13), name="a")
     b = g.tensor((5, 13), name="b")
-    pos = g.add(g.abs(a), 0.25, name="pos")  # a positive operand for sqrt, log, rsqrt, pow
+    # A positive operand, away from 0, for sqrt, log, rsqrt, pow and reciprocal (1/a of an fp16
+    # sample below 1.5e-5 overflows fp16 where the float64 reference stays finite).
+    pos = g.add(g.abs(a), 0.25, name="pos")
     for op in UNARY:
-        g.set_output(g.pointwise(op, pos if op in ("sqrt", "rsqrt", "log") else a, name=f"u_{op}"))
+        g.set_output(
+            g.pointwise(op, pos if op in ("sqrt", "rsqrt", "log", "reciprocal") else a, name=f"u_{op}")
+        )
+    b_away = g.add(g.abs(b), 0.25, name="b_away")  # a divisor away from 0 (fp16 overflow, as above)
     for op in BINARY:
-        g.set_output(g.pointwise(op, pos if op == "pow" else a, b, name=f"b_{op}"))
+        g.set_output(g.pointwise(op, pos if op == "pow" else a, b_away if op == "div" else b, name=f"b_{op}"))
     for op, params in PARAMS.items():
         g.set_output(g.pointwise(op, a, name=f"p_{op}", **params))
         g.set_output(g.pointwise(f"{op}_backward", b, a, name=f"g_{op}", **params))
@@ -84,7 +89,7 @@ def test_every_mode_in_one_kernel(dtype, poison):
         g.set_output(g.pointwise(f"{op}_backward", b, a, name=f"g_{op}"))
     plan, _ = check_plan(g, feeds_for(g))
     # Two kernels: outputs of a's shape (3, 1, 13) cannot be stored by a kernel over (3, 5, 13).
-    small, large = len(UNARY) + 2 + len(PARAMS), len(BINARY) + len(PARAMS) + 5
+    small, large = len(UNARY) + 2 + len(PARAMS), len(BINARY) + len(PARAMS) + 5 + 2
     assert sorted(len(s.nodes) for s in plan.steps) == sorted([small, large])
 
 

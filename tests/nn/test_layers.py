@@ -19,10 +19,9 @@ from tritondnn.core.errors import NotSupportedError
 def _as_ours(module: nn.Module) -> nn.Module:
     """A tritondnn module with ``module``'s constructor state, built through state_dict as a user
     loading a checkpoint would."""
-    ours = copy.deepcopy(module)
-    ours.__class__ = tnn.SUPPORTED[type(module)]
-    fresh = copy.deepcopy(module)
-    ours.load_state_dict(fresh.state_dict())
+    ours = type(module).__new__(tnn.SUPPORTED[type(module)])
+    ours.__dict__ = copy.deepcopy(module).__dict__  # the constructor's state, torch's class swapped
+    ours.load_state_dict(module.state_dict())
     return ours
 
 

@@ -58,6 +58,12 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
     return value.float() if value.dtype in _LOW_PRECISION else value
 
 
+# One C call on the hot path of every decorated op outside autocast (torch.utils.checkpoint uses
+# the same private query); the public per-device form where it is missing.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+)
+
 Policy = str | Callable[[torch.Tensor], str | None] | None
 
 
@@ -85,7 +91,7 @@ def autocast_policy(cuda: Policy, cpu: Policy = None, skip_if: str | None = None
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")):
+            if not _any_autocast():
                 return fn(*args, **kwargs)
             device_type = _device_type((*args, *kwargs.values()))
             policy = policies.get(device_type) if device_type is not None else None

@@ -233,4 +233,5 @@ def enter_routing(*_: object) -> None:
 def exit_routing(*_: object) -> None:
     """Forward hook ending ``enter_routing`` (registered with ``always_call=True``)."""
     global _route_depth
-    _route_depth -= 1
+    # max: when an earlier forward pre-hook raised, enter_routing never ran but this still does.
+    _route_depth = max(0, _route_depth - 1)

@@ -55,7 +55,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.group = group
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
     @staticmethod
@@ -71,10 +71,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 dy, x, mean, invstd, weight, both[:channels] / count, both[channels:] / count, 1.0
             )
         # Parameter gradients stay local, as torch's SyncBatchNorm: DDP averages them.
-        dw = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = sum_dy.to(weight.dtype if weight is not None else dy.dtype) if ctx.has_bias else None
-        if db is not None and not ctx.needs_input_grad[2]:
-            db = None
+        dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None
 
 
@@ -91,14 +89,12 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         self._check_non_zero_input_channels(input)
         group = self.process_group or (dist.group.WORLD if dist.is_available() else None)
         sync = (
-            self.training
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(group) > 1
-            and on_backend(input)
+            self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
         )
         if not sync:
             return BatchNorm1d.forward(self, input)
+        if not on_backend(input):
+            return nn.SyncBatchNorm.forward(self, input)  # torch's (and its errors) off our device
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

@@ -190,3 +190,39 @@ def test_bad_input():
         conv.conv_backward_weight(x, dy, w.shape, 0, 0, 1, 2)
     with pytest.raises(tdnn.NotSupportedError, match="depthwise"):
         conv.conv_backward_weight(x, dy, w.shape, 1, 0, 1, 2, algo="depthwise")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 16, 7, 9), 24, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),
+        ((1, 32, 6, 5), 32, (3, 3), (1, 1), ((2, 2), (1, 1)), (2, 1), 2),
+        ((2, 16, 5, 6), 8, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
+        ((1, 16, 4, 5, 6), 16, (3, 3, 3), (1, 1, 1), ((1, 1),) * 3, (1, 1, 1), 1),
+    ],
+    ids=str,
+)
+def test_shifted_gemm_dgrad(case, poison):
+    """The data gradient of a stride-1 convolution as the shifted GEMM of dy with the transposed,
+    flipped weights (channels-last, fp16)."""
+    _, _, kernel, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case, torch.float16, last=True)
+    dy = channels_last(dy)
+    rx, _ = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo="shifted_gemm")
+    assert dx.stride(1) == 1
+    torch_dx = torch.ops.aten.convolution_backward(
+        dy.float(), x.float(), w.float(), None, stride, [p[0] for p in pads], dilation, False,
+        [0] * len(stride), groups, [True, False, False],
+    )[0].half()  # fmt: skip
+    assert_close(dx, rx, torch_dx, f"shifted dgrad {case}")
+    if max(kernel) == 1:
+        return
+    with pytest.raises(tdnn.NotSupportedError, match="larger than the source"):
+        valid = ((0, 0),) * len(stride)
+        dy_valid = channels_last(
+            torch.randn(conv_reference(x, w, None, stride, valid, dilation, groups).shape)
+        )
+        conv.conv_backward_data(
+            dy_valid.half(), w, x.shape, stride, valid, dilation, groups, algo="shifted_gemm"
+        )

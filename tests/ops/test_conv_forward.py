@@ -96,9 +96,26 @@ def test_bf16(case, engine):
     _run_case(case, engine, "channels_last", torch.bfloat16)
 
 
-def test_stem_few_channels_flat_k():
-    """3 input channels: the flat (tap, channel) reduction walk."""
-    _run_case(((2, 3, 15, 14), 16, (7, 7), 2, 3, 1, 1), "implicit_gemm", "channels_last", torch.float32)
+@pytest.mark.parametrize("layout_name", ["channels_last", "contiguous"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 3, 15, 14), 16, (7, 7), 2, 3, 1, 1),
+        ((1, 5, 9, 10), 6, (3, 3), 1, 1, (2, 1), 1),
+        ((2, 3, 20), 4, (5,), 2, 2, 1, 1),
+    ],
+    ids=str,
+)
+def test_few_channels_k_walks(case, layout_name):
+    """Fewer input channels than a K step: channels-last inputs walk K by row windows (the W taps'
+    channels side by side), other layouts by flat (tap, channel) gathers."""
+    from tritondnn.ops.conv import describe_forward
+    from tritondnn.ops.conv.engines import row_window
+
+    x, _ = _run_case(case, "implicit_gemm", layout_name, torch.float32)
+    w = torch.empty(case[1], case[0][1], *case[2], device=DEVICE)
+    problem = describe_forward(x, w, None, case[3], case[4], case[5])
+    assert row_window(problem) == (layout_name == "channels_last")
 
 
 def test_fp64_and_tf32():
@@ -300,3 +317,65 @@ def test_bad_input():
         conv.conv2d(x, w, epilogue="relu")
     with pytest.raises(ValueError, match="output_padding"):
         conv.conv_transpose2d(x, w, stride=1, output_padding=1)
+
+
+# (shape, cout, kernel, padding, dilation, groups): stride-1 channels-last problems of the
+# shifted-GEMM engine, channel counts multiples of 8 (16-byte pixel rows in fp16).
+SHIFTED_CASES = [
+    ((2, 16, 7, 9), 24, (3, 3), 1, 1, 1),
+    ((2, 16, 7, 9), 24, (3, 3), 0, 1, 1),
+    ((1, 32, 6, 5), 32, (3, 3), (2, 1), (2, 1), 2),
+    ((2, 8, 5, 6), 40, (1, 1), 0, 1, 1),
+    ((2, 16, 11), 16, (5,), 2, 1, 1),
+    ((1, 16, 4, 5, 6), 16, (3, 3, 3), 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", SHIFTED_CASES, ids=str)
+def test_shifted_gemm(case, poison):
+    """Each tap's A tile is a block of pixel rows shifted by a constant, masked at image edges:
+    'same' and 'valid' padding, dilation, groups, 1-D/2-D/3-D, 1x1, with the fused epilogue."""
+    shape, cout, kernel, padding, dilation, groups = case
+    nd = len(shape) - 2
+    x = layout(torch.randn(shape, device=DEVICE), "channels_last").half()
+    w = (torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE) / 3).half()
+    b = torch.randn(cout, device=DEVICE).half()
+    pads, dl = pairs(padding, nd), (dilation,) * nd if isinstance(dilation, int) else dilation
+    ref_pre = conv_reference(x, w, b, (1,) * nd, pads, dl, groups)
+    r = layout(torch.randn(ref_pre.shape, device=DEVICE), "channels_last").half()
+    epi = Epilogue(activation="relu", residual=True)
+    y = FNS[nd](x, w, b, 1, padding, dilation, groups, algo="shifted_gemm", epilogue=epi, residual=r)
+    assert y.stride(1) == 1, "channels-last in, channels-last out"
+    ref = F.relu(ref_pre) + r.double()
+    torch_out = (F.relu(torch_conv(x, w, b, 1, padding, dl, groups).float()) + r.float()).half()
+    assert_close(y, ref, torch_out, f"shifted_gemm {case}")
+
+
+def test_shifted_gemm_weights_packed_or_in_place():
+    """Channels-last weights are read in place; other layouts are packed per call."""
+    x = layout(torch.randn(2, 16, 6, 7, device=DEVICE), "channels_last").half()
+    w = (torch.randn(24, 16, 3, 3, device=DEVICE) / 3).half()
+    ref = conv_reference(x, w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    for weights in (w, layout(w, "channels_last"), layout(w, "strided")):
+        y = conv.conv2d(x, weights, None, 1, 1, algo="shifted_gemm")
+        assert_close(y, ref, torch_conv(x, w, None, 1, 1, (1, 1), 1), "weights")
+
+
+def test_shifted_gemm_not_supported_and_heuristic():
+    x = layout(torch.randn(2, 16, 6, 7, device=DEVICE), "channels_last").half()
+    w = torch.randn(16, 16, 3, 3, device=DEVICE).half()
+    with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
+        conv.conv2d(x, w, stride=2, algo="shifted_gemm")
+    with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
+        conv.conv2d(x.contiguous(), w, algo="shifted_gemm")
+    with pytest.raises(tdnn.NotSupportedError, match="fp16, bf16"):
+        conv.conv2d(x.float(), w.float(), algo="shifted_gemm")
+    x12 = layout(torch.randn(2, 12, 6, 7, device=DEVICE), "channels_last").half()
+    with pytest.raises(tdnn.NotSupportedError, match="16-byte alignment"):
+        conv.conv2d(x12, w[:, :12], algo="shifted_gemm")  # 24-byte pixel rows
+    with pytest.raises(tdnn.NotSupportedError, match="runs of channels"):
+        conv.conv2d(x[:, :12], w[:, :12], algo="shifted_gemm")  # rows of 16, 12 channels per tap
+    # The heuristic takes it for 1x1 convolutions (no masks), not for 3x3 ones.
+    chosen = {r.name for r in tdnn.engines("conv", x, w[:, :, :1, :1]) if r.chosen}
+    assert chosen == {"shifted_gemm"}
+    assert {r.name for r in tdnn.engines("conv", x, w, None, 1, 1) if r.chosen} == {"implicit_gemm"}

@@ -22,13 +22,28 @@ from typing import Any
 
 import numpy as np
 import torch
+import triton
+from triton.runtime import _allocation
 
-from .backend import INTERPRET
+from .backend import DEVICE_TYPE, INTERPRET
 
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for grids; ``triton.cdiv`` costs microseconds from Python (a constexpr function)."""
     return -(-a // b)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device=DEVICE_TYPE, dtype=torch.int8)
+
+
+def ensure_allocator() -> None:
+    """Install the global-memory allocator that device-side tensor descriptors
+    (``tl.make_tensor_descriptor``) are written into, unless one is set. Triton keeps it in a
+    context variable that every thread starts without (autograd runs the backward pass in threads
+    of its own), so launchers of descriptor kernels call this before each launch."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def launcher(

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from ...core.engine import Problem
 
@@ -271,15 +269,3 @@ def window_flags(window: tuple[int, int]) -> tuple[bool, bool, int, int]:
     """(HAS_LEFT, HAS_RIGHT, left, right) for the kernels; -1 is unbounded."""
     left, right = window
     return left >= 0, right >= 0, max(left, 0), max(right, 0)
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def ensure_allocator() -> None:
-    """Install the global-memory allocator device-side tensor descriptors are written into, unless
-    one is set. Triton keeps it in a context variable that every thread starts without (autograd's
-    backward runs in threads of its own), so launchers call this before each descriptor launch."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)

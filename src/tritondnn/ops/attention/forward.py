@@ -22,12 +22,11 @@ import triton
 import triton.language as tl
 
 from ...core.backend import INTERPRET
-from ...core.launcher import cdiv, launcher
+from ...core.launcher import cdiv, ensure_allocator, launcher
 from .common import (
     block_d,
     dot,
     dropout_keep,
-    ensure_allocator,
     kv_range,
     kv_rows,
     load_tile,

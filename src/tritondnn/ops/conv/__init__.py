@@ -33,6 +33,7 @@ from ...core.autocast import LOWER, autocast_policy
 from ..epilogue import Epilogue
 from . import depthwise as _depthwise  # noqa: F401  (registers its engines)
 from . import fft as _fft  # noqa: F401
+from . import shifted as _shifted  # noqa: F401
 from . import winograd as _winograd  # noqa: F401
 from .args import (
     check_bias,

@@ -14,6 +14,7 @@ FFT) live in their own modules and register into these families.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -100,7 +101,9 @@ def epilogue_constexprs(p: ConvProblem) -> tuple:
 
 
 def row_limit(p: ConvProblem) -> int:
-    return 2**62 if p.index_64 else 2**31 - 1
+    """The offset kernels give rows past the end: above every valid offset, and a multiple of 16,
+    so that Triton still knows row offsets are (vectorizable stores of a 16-byte-aligned run)."""
+    return 2**62 if p.index_64 else 2**31 - 16
 
 
 def _tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> LaunchConfig:
@@ -252,9 +255,22 @@ def dgrad_phases(p: ConvProblem) -> list[tuple[int, tuple[int, ...]]]:
     return launches
 
 
-def _igemm_launch(p: ConvProblem, config: LaunchConfig, m: int, ints: tuple, cols: int, ck: int):
+def row_window(p: ConvProblem) -> bool:
+    """Whether the forward convolution can walk K by row windows (``kernels``, K_WALK 2)."""
+    s_c, s_w = p.x_strides[1], p.x_strides[4]
+    return p.groups == 1 and p.cin > 1 and s_c == 1 and s_w == p.cin and p.dilation[2] == 1
+
+
+def _igemm_launch(
+    p: ConvProblem, config: LaunchConfig, m: int, ints: tuple, cols: int, ck: int, window: bool
+):
+    """The launch of ``_igemm_kernel``; ``window``: the K walk by row windows may be used."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    flat = ck < bk
+    walk = 0
+    if ck < bk:
+        walk = 2 if window else 1
+    if walk == 2:  # a chunk as wide as the window, no wider
+        bk = min(bk, max(16, 1 << (p.kernel[2] * ck - 1).bit_length()))
     return launcher(
         _igemm_kernel,
         (cdiv(m, bm) * cdiv(cols, bn), p.groups),
@@ -264,7 +280,7 @@ def _igemm_launch(p: ConvProblem, config: LaunchConfig, m: int, ints: tuple, col
             *epilogue_constexprs(p),
             *dot_constexprs(p),
             p.index_64,
-            flat,
+            walk,
             bm,
             bn,
             bk,
@@ -283,6 +299,39 @@ def _igemm_cost(p: ConvProblem, config: LaunchConfig, cols: int, ck: int) -> flo
     return roofline(p.flops, p.bytes, peak(p), 0.75 * col_eff * k_eff, 0.7) + 4.0
 
 
+def channels_last_weights(
+    p: ConvProblem,
+) -> tuple[ConvProblem, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """Weights whose channel stride is not 1 (contiguous ones) fill both directions' B tiles one
+    element at a time (neither tile dimension is contiguous); a channels-last copy loads runs of
+    channels. (The problem with channels-last weight strides, the per-call repack), or (p, None)
+    where the weights already are (ResNet-50's 3x3x3 conv3d ran 8x slower from contiguous ones)."""
+    if p.w_strides[1] == 1 or p.cin_g == 1:
+        return p, None
+    _, kh, kw = p.kernel
+    c = p.cin_g
+    strides = (p.taps * c, 1, kh * kw * c, kw * c, c)
+
+    def repack(w: torch.Tensor) -> torch.Tensor:
+        return w.movedim(1, -1).contiguous().movedim(-1, 1)
+
+    return dataclasses.replace(p, w_strides=strides), repack
+
+
+def with_weights(launches: list[Callable[..., None]], repack) -> Callable[..., None]:
+    """One call running ``launches`` in order on (src, w, ...), w repacked first if asked."""
+    if repack is None and len(launches) == 1:
+        return launches[0]
+
+    def run(src: torch.Tensor, w: torch.Tensor, *rest: Any) -> None:
+        if repack is not None:
+            w = repack(w)
+        for launch in launches:
+            launch(src, w, *rest)
+
+    return run
+
+
 @FAMILY.register
 class ImplicitGemmEngine(Engine[ConvProblem]):
     """Any convolution: a GEMM over (pixels) x (output channels), its A operand gathered from the
@@ -297,8 +346,9 @@ class ImplicitGemmEngine(Engine[ConvProblem]):
         return tile_configs(problem, problem.cout_g)
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        m, ints = forward_geometry(problem)
-        return _igemm_launch(problem, config, m, ints, problem.cout_g, problem.cin_g)
+        p, repack = channels_last_weights(problem)
+        m, ints = forward_geometry(p)
+        return with_weights([_igemm_launch(p, config, m, ints, p.cout_g, p.cin_g, row_window(p))], repack)
 
 
 @DGRAD_FAMILY.register
@@ -316,16 +366,11 @@ class ImplicitGemmDgradEngine(Engine[ConvProblem]):
         return tile_configs(problem, problem.cin_g)
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p, repack = channels_last_weights(problem)
         launches = [
-            _igemm_launch(problem, config, m, ints, problem.cin_g, problem.cout_g)
-            for m, ints in dgrad_phases(problem)
+            _igemm_launch(p, config, m, ints, p.cin_g, p.cout_g, False) for m, ints in dgrad_phases(p)
         ]
-
-        def run(*args: Any) -> None:
-            for launch in launches:
-                launch(*args)
-
-        return run
+        return with_weights(launches, repack)
 
 
 def wgrad_split(p: ConvProblem, config: LaunchConfig) -> tuple[int, int]:
@@ -350,7 +395,11 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
         return roofline(problem.flops, problem.bytes, peak(problem), 0.6, 0.6) + 8.0
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        return tile_configs(problem, problem.cin_g * problem.taps)
+        configs = tile_configs(problem, problem.cin_g * problem.taps)
+        # Rows are the group's output channels: no taller tiles than they fill.
+        fit = max(64, 1 << (max(problem.cout_g, 1) - 1).bit_length())
+        configs.sort(key=lambda c: c["BLOCK_M"] > fit)  # stable
+        return configs
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem

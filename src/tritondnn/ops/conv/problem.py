@@ -156,10 +156,10 @@ class ConvProblem(Problem):
 
     @property
     def index_64(self) -> bool:
-        """Offsets may reach 2**31: every tensor's span is checked."""
+        """Offsets may reach 2**31 - 16 (``engines.row_limit``): every tensor's span is checked."""
         spans = [
             sum((s - 1) * abs(st) for s, st in zip((self.n, self.cin, *self.in_size), self.x_strides)),
             sum((s - 1) * abs(st) for s, st in zip((self.n, self.cout, *self.out_size), self.y_strides)),
             sum((s - 1) * abs(st) for s, st in zip((self.cout, self.cin_g, *self.kernel), self.w_strides)),
         ]
-        return max(*spans, self.out_pixels * self.cout, self.in_pixels * self.cin) >= 2**31 - 2
+        return max(*spans, self.out_pixels * self.cout, self.in_pixels * self.cin) >= 2**31 - 16

@@ -23,10 +23,10 @@ import triton.language as tl
 from ...core.backend import INTERPRET, multiprocessor_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
-from ...core.launcher import cdiv, launcher
+from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.strides import collapse
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
-from .tma import _persistent_kernel, ensure_allocator
+from .tma import _persistent_kernel
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FP8_DTYPES)

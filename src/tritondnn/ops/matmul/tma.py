@@ -3,8 +3,9 @@
 One program per SM walks the output tiles (grouped order, as the tiled kernel), so tile setup and
 the epilogue of one tile overlap the loads of the next, and the copy engine moves A and B tiles
 into shared memory without registers or address arithmetic. Descriptors are made on the device
-(``tl.make_tensor_descriptor``), which needs a scratch allocator: ``ensure_allocator`` installs
-one. Out-of-bounds parts of a tile load as zeros, so neither K nor the edges need masks.
+(``tl.make_tensor_descriptor``), which needs the scratch allocator that
+``core.launcher.ensure_allocator`` installs. Out-of-bounds parts of a tile load as zeros, so
+neither K nor the edges need masks.
 
 Requirements (checked by the engine): one matrix (no batch); each operand has one contiguous
 dimension and 16-byte-aligned rows (strides and base address); Triton compiled for sm_90+.
@@ -12,25 +13,11 @@ dimension and 16-byte-aligned rows (strides and base address); Triton compiled f
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from ...core.numerics import convert
 from .kernels import dot, epilogue_tile, grouped
-
-
-def _alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def ensure_allocator() -> None:
-    """Give Triton the global-memory allocator device-side descriptors are written into, unless
-    one is set. Triton keeps it in a context variable, which every thread starts without
-    (autograd runs the backward pass in threads of its own): call this before each launch."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_alloc)
 
 
 @triton.jit

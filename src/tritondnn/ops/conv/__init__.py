@@ -14,12 +14,14 @@ Weight gradients are split over the batch and pixels with the partial sums added
 the same bits on every run, with or without ``tdnn.config.deterministic``.
 
 Engines (``tdnn.engines("conv", x, w, ...)`` lists them with their reasons): ``implicit_gemm``,
+``shifted_gemm`` (Hopper, stride-1 channels-last: tensor-descriptor tiles of the pixel-row matrix),
 ``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(2x2, 3x3)), ``fft``; the data and weight
-gradient families ``conv_dgrad`` and ``conv_wgrad`` have ``implicit_gemm`` and ``depthwise``.
+gradient families ``conv_dgrad`` and ``conv_wgrad`` have ``implicit_gemm``, ``shifted_gemm`` and
+``depthwise``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``depthwise``, ``winograd``, ``fft``, ``plans`` (per-shape plans, torch.library ops),
-``autograd``, ``reference``; this module holds the public functions.
+``engines``, ``shifted``, ``depthwise``, ``winograd``, ``fft``, ``plans`` (per-shape plans,
+torch.library ops), ``autograd``, ``reference``; this module holds the public functions.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
     mismatches, zero strides, kernels larger than the padded input.
     """
 
-_ENGINES = "'implicit_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
+_ENGINES = "'implicit_gemm', 'shifted_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
 
 
 @autocast_policy(LOWER, LOWER)
@@ -320,7 +322,7 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
         input: (N, C_in, ...) or unbatched; weight: (C_in, C_out / groups, *kernel).
         stride, padding, output_padding, dilation: ints or {nd} ints; output_padding smaller than
             stride or dilation.
-        algo: 'implicit_gemm' or 'depthwise' (the data-gradient engines), or None.
+        algo: 'implicit_gemm', 'shifted_gemm' or 'depthwise' (the data-gradient engines), or None.
         epilogue, c, residual: as ``conv{nd}d``.
 
     Returns (N, C_out, *out) with out = (in - 1) * stride - 2 * padding + dilation * (k - 1) +
@@ -458,7 +460,8 @@ def conv_backward_data(
     ``conv(input, weight, ...)`` with respect to an input of ``input_size`` (N, C_in, *spatial),
     for the output gradient ``grad_output`` (N, C_out, *out). Padding as ``conv2d`` (pairs allowed).
     The result takes grad_output's layout (contiguous or channels-last). Stride > 1 runs as
-    stride phases (sub-pixel decomposition): no work on inserted zeros. Differentiable."""
+    stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
+    ('implicit_gemm', 'shifted_gemm', 'depthwise'). Differentiable."""
     op = "tdnn.conv_backward_data"
     check_tensor_pair(op, grad_output, "grad_output", weight, "weight")
     input_size = tuple(int(s) for s in input_size)
@@ -535,7 +538,8 @@ def conv_backward_weight(
     """cuDNN's backward-filter (``torch.nn.grad.conv{1,2,3}d_weight``): the gradient of
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
-    Returns a contiguous tensor in the input's dtype."""
+    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'depthwise'). Returns a contiguous
+    tensor in the input's dtype."""
     op = "tdnn.conv_backward_weight"
     check_tensor_pair(op, input, "input", grad_output, "grad_output")
     weight_size = tuple(int(s) for s in weight_size)

@@ -214,6 +214,23 @@ class Family(Generic[P]):
             self._chosen[key] = choice
         return choice
 
+    def choose(
+        self, problem: P, algo: str | None, make_args: Callable[[], Sequence[Any]] | None, op: str
+    ) -> Choice:
+        """The engine named ``algo`` with its first config (``NotSupportedError`` with its reasons
+        where it cannot run ``problem``; ``ValueError`` naming ``op`` for an unknown name), or
+        ``select``'s choice when ``algo`` is None."""
+        if algo is None:
+            return self.select(problem, make_args)
+        for engine in self.engines:
+            if engine.name == algo:
+                reasons = engine.not_supported_reasons(problem)
+                if reasons:
+                    raise NotSupportedError(self.name, problem.key(), {engine.name: reasons})
+                return Choice(engine, engine.configs(problem)[0])
+        names = ", ".join(repr(e.name) for e in self.engines)
+        raise ValueError(f"{op}: argument 'algo'={algo!r}; accepted: None, {names}")
+
     def plan(
         self, key: tuple, problem: Callable[[], P], timing_args: Callable[[], Sequence[Any]]
     ) -> Callable[..., Any]:

@@ -178,19 +178,25 @@ def _descends(node: Node, t: GraphTensor) -> bool:
     return False
 
 
-def _fold_epilogue(node: Node, cons: dict[int, list[Node]], claimed: dict[int, Step]) -> Step:
-    step = Step(node.op, [node], node)
-    claimed[node.uid] = step
-    out = node.outputs[0]
-    conv = node.op == "conv_fprop"
-    fold: dict[str, Any] = {
+def empty_fold(node: Node) -> dict[str, Any]:
+    """The fold of a matmul or convolution step that absorbed nothing."""
+    return {
         "alpha": 1.0,
         "c": None,
         "bias": None,
         "activation": None,
         "params": [],
         "residual": None,
+        "final": node.outputs[0],
     }
+
+
+def _fold_epilogue(node: Node, cons: dict[int, list[Node]], claimed: dict[int, Step]) -> Step:
+    step = Step(node.op, [node], node)
+    claimed[node.uid] = step
+    out = node.outputs[0]
+    conv = node.op == "conv_fprop"
+    fold = empty_fold(node)
     stage, t = 0, out
     while True:
         users = cons.get(t.uid, [])

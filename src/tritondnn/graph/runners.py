@@ -24,7 +24,7 @@ from ..ops.epilogue import Epilogue
 from ..ops.norm import group as _group_ops
 from ..ops.norm import layer as _layer_ops
 from ..ops.norm.common import NO_ACTIVATION, activation_kind
-from .partition import Step
+from .partition import Step, empty_fold
 from .types import GraphTensor, contiguous_strides, layout_strides
 
 Run = Callable[[list, torch.device, "dict | None"], None]
@@ -83,16 +83,7 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
         return None if i is None else env[i]
 
     if op in ("matmul", "conv_fprop"):
-        fold = {
-            "alpha": 1.0,
-            "c": None,
-            "bias": None,
-            "activation": None,
-            "params": [],
-            "residual": None,
-            "final": node.outputs[0],
-            **fold,
-        }
+        fold = {**empty_fold(node), **fold}  # empty in the fallback mode
         final = fold["final"].uid
         c, bias, res = _env(fold["c"]), _env(fold["bias"]), _env(fold["residual"])
         act = fold["activation"]

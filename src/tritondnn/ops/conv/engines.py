@@ -24,8 +24,7 @@ import torch
 import triton.language as tl
 
 from ...core.backend import INTERPRET, multiprocessor_count
-from ...core.engine import Choice, Engine, Family, LaunchConfig
-from ...core.errors import NotSupportedError
+from ...core.engine import Engine, Family, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from .kernels import _igemm_kernel, _sum_kernel, _wgrad_kernel
 from .problem import ConvProblem, itemsize
@@ -52,21 +51,6 @@ def _describe_wgrad(*args: Any, **kwargs: Any) -> ConvProblem:
 FAMILY: Family[ConvProblem] = Family("conv", _describe)
 DGRAD_FAMILY: Family[ConvProblem] = Family("conv_dgrad", _describe_dgrad)
 WGRAD_FAMILY: Family[ConvProblem] = Family("conv_wgrad", _describe_wgrad)
-
-
-def choose(family: Family[ConvProblem], problem: ConvProblem, algo: str | None, timing_args) -> Choice:
-    """The engine for ``problem``: the forced ``algo`` (``NotSupportedError`` with its reasons
-    when it cannot run it), else the family's selection (heuristic or benchmark mode)."""
-    if algo is None:
-        return family.select(problem, timing_args)
-    for engine in family.engines:
-        if engine.name == algo:
-            reasons = engine.not_supported_reasons(problem)
-            if reasons:
-                raise NotSupportedError(family.name, problem.key(), {engine.name: reasons})
-            return Choice(engine, engine.configs(problem)[0])
-    names = ", ".join(repr(e.name) for e in family.engines)
-    raise ValueError(f"tdnn.{family.name}: argument 'algo'={algo!r}; accepted: None, {names}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from ...core.config import config
 from ...core.library import custom_op
-from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY, choose
+from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
 from .problem import (
     ConvProblem,
     channels_last,
@@ -98,7 +98,7 @@ def _epilogue_run(problem, family, algo, out_shape, out_dtype, pre_dtype, last, 
             pre = empty_conv_tensor(out_shape, pre_dtype, src.device, last) if store_pre else None
             return (*tensors(src, w, y, bias, c, residual, pre), 1.0, 1.0, 0.0, 0.0)
 
-        choice = choose(family, problem, algo, timing_args)
+        choice = family.choose(problem, algo, timing_args, f"tdnn.{family.name}")
         launch = choice.engine.bind(problem, choice.config)
 
     def run(src, w, bias, c, residual, alpha, beta, p0, p1):
@@ -281,11 +281,11 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
         )
         launch = None
         if dw.numel() and x.numel() and dy.numel():
-            choice = choose(
-                WGRAD_FAMILY,
+            choice = WGRAD_FAMILY.choose(
                 problem,
                 algo,
                 lambda: (x, dy, torch.empty(shape, dtype=x.dtype, device=x.device)),
+                "tdnn.conv_wgrad",
             )
             launch = choice.engine.bind(problem, choice.config)
 

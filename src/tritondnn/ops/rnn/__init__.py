@@ -34,7 +34,7 @@ from ...core.library import custom_op
 from ..dropout import counters_used
 from ..dropout import dropout as _dropout
 from ..matmul import linear, matmul
-from .engines import FAMILY, RNNProblem, choose
+from .engines import FAMILY, RNNProblem
 from .reference import GATES, rnn_reference, split_weights, weights_per_layer
 
 __all__ = ["FAMILY", "RNNProblem", "gru", "lstm", "rnn", "rnn_reference"]
@@ -51,7 +51,7 @@ def _plan(key: tuple, problem: Callable[[], RNNProblem], algo: str | None, args:
     run = _plans.get(key)
     if run is None:
         p = problem()
-        choice = choose(p, algo, args)
+        choice = FAMILY.choose(p, algo, args, f"tdnn.{p.cell.split('_')[0]}")
         run = _plans[key] = choice.engine.bind(p, choice.config)
     return run
 

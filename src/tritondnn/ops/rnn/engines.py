@@ -34,8 +34,7 @@ import triton.language as tl
 
 from ...core.backend import INTERPRET, multiprocessor_count
 from ...core.config import config
-from ...core.engine import Choice, Engine, Family, LaunchConfig, Problem
-from ...core.errors import NotSupportedError
+from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
 from . import kernels as K
 from .reference import GATES
@@ -150,21 +149,6 @@ def _describe(
 
 
 FAMILY: Family[RNNProblem] = Family("rnn", _describe)
-
-
-def choose(problem: RNNProblem, algo: str | None, timing_args: Callable | None) -> Choice:
-    """The forced ``algo`` (``NotSupportedError`` with its reasons when it cannot run the
-    problem), else the family's selection (heuristic, or timing in benchmark mode)."""
-    if algo is None:
-        return FAMILY.select(problem, timing_args)
-    for engine in FAMILY.engines:
-        if engine.name == algo:
-            reasons = engine.not_supported_reasons(problem)
-            if reasons:
-                raise NotSupportedError(FAMILY.name, problem.key(), {engine.name: reasons})
-            return Choice(engine, engine.configs(problem)[0])
-    names = ", ".join(repr(e.name) for e in FAMILY.engines)
-    raise ValueError(f"tdnn.{problem.cell.split('_')[0]}: argument 'algo'={algo!r}; accepted: None, {names}")
 
 
 def _sm_count() -> int:

@@ -134,11 +134,18 @@ def test_extreme_values():
 
 
 def test_relative_accuracy_where_naive_formulas_lose_digits():
-    """expm1 (elu near 0-), log1p (softplus far below 0) and tanh near 0 keep their relative accuracy."""
+    """expm1 (elu near 0-), log1p (softplus far below 0), tanh near 0 and the normal CDF's lower tail
+    (gelu far below 0) keep their relative accuracy."""
     for fn, ref, values in (
         (tdnn.tanh, torch.tanh, [1e-7, -3e-6, 2e-4, -1e-3, 0.29, -0.31]),
         (tdnn.elu, F.elu, [-1e-7, -3e-6, -2e-4, -1e-2]),
         (tdnn.softplus, F.softplus, [-30.0, -17.0, -5.0, 1e-4]),
+        # x * Phi(x) in Phi's lower tail (F.gelu's float64 erf formula itself is 0 below -8.3)
+        (
+            tdnn.gelu,
+            lambda x: x * 0.5 * torch.special.erfc(-x / math.sqrt(2)),
+            [-9.0, -6.0, -4.0, -2.5, -1e-3, 1e-6],
+        ),
     ):
         x = torch.tensor(values, device=DEVICE)
         got, want = fn(x).double(), ref(x.double())

@@ -110,7 +110,7 @@ def activation_value(x, KIND: tl.constexpr, p0, p1):
     elif KIND == 3:
         y = numerics.tanh(x)
     elif KIND == 4:
-        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        y = x * numerics.normal_cdf(x)[0]
     elif KIND == 5:
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         y = 0.5 * x * (1.0 + numerics.tanh(inner))
@@ -140,9 +140,8 @@ def activation_gradient(dy, s, KIND: tl.constexpr, SAVED_OUTPUT: tl.constexpr, p
     elif KIND == 3:
         g = 1.0 - s * s
     elif KIND == 4:
-        cdf = 0.5 * (1.0 + tl.erf(s * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
-        g = cdf + s * pdf
+        cdf, kernel = numerics.normal_cdf(s)
+        g = cdf + s * (kernel * 0.3989422804014327)
     elif KIND == 5:
         k = 0.7978845608028654
         t = numerics.tanh(k * (s + 0.044715 * s * s * s))

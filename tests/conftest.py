@@ -73,4 +73,5 @@ def cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setenv("TRITONDNN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(engine, "autotune_cache", engine.AutotuneCache())
+    tdnn.config.invalidate_plans()  # plans chosen with another cache are not reused
     return tmp_path

@@ -1,4 +1,4 @@
-"""tdnn.config: attributes, validation, the flags context manager, the version counter."""
+"""tdnn.config: attributes, validation, the flags context manager, the state's version."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ def test_defaults_and_attributes():
     version = cfg.version
     cfg.deterministic = True
     try:
-        assert cfg.deterministic is True and cfg.version == version + 1
+        assert cfg.deterministic is True and cfg.version != version
     finally:
         cfg.deterministic = False
+    assert cfg.version == version  # the same state, the same key: cached plans come back
+    cfg.invalidate_plans()
+    assert cfg.version != version and cfg.as_dict()["deterministic"] is False
     assert "deterministic=False" in repr(cfg)
 
 

@@ -15,7 +15,9 @@ _FLAGS = ("deterministic", "allow_tf32", "benchmark")
 
 
 class Config:
-    """tritondnn's switches. Every change bumps ``version`` so per-shape caches notice it cheaply.
+    """tritondnn's switches. ``version`` is a small integer naming the switches' state, the key
+    per-shape caches take to notice a change cheaply; a state seen before gets its number (and its
+    cached plans) back, so toggling a flag around every call neither re-plans nor grows caches.
 
     Attributes:
         deterministic: same bits on every run; reductions are two-stage with no atomics
@@ -26,19 +28,30 @@ class Config:
             the fastest, in memory and on disk (``cudnn.benchmark``). Off: pick by heuristic cost.
     """
 
-    __slots__ = ("_allow_tf32", "_benchmark", "_deterministic", "version")
+    __slots__ = ("_allow_tf32", "_benchmark", "_deterministic", "_generation", "version")
 
     def __init__(self) -> None:
         self._deterministic = False
         self._allow_tf32 = False
         self._benchmark = False
+        self._generation = 0
         self.version = 0
 
     def _set(self, name: str, value: bool) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"tdnn.config.{name} must be a bool, got {type(value).__name__}")
         setattr(self, "_" + name, value)
-        self.version += 1
+        self._renumber()
+
+    def _renumber(self) -> None:
+        state = self._deterministic | self._allow_tf32 << 1 | self._benchmark << 2
+        self.version = state + 8 * self._generation
+
+    def invalidate_plans(self) -> None:
+        """Make every per-shape plan be built again on its next use (e.g. after pointing
+        ``TRITONDNN_CACHE_DIR`` at another autotune cache): the version moves to a new range."""
+        self._generation += 1
+        self._renumber()
 
     @property
     def deterministic(self) -> bool:

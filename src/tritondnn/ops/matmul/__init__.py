@@ -57,7 +57,7 @@ def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
 
 
 def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-                  store_pre, amax, out_dtype):  # fmt: skip
+                  store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
     shape = _out_shape(a, b)
     return (
         a.new_empty(shape, dtype=out_dtype),
@@ -72,16 +72,17 @@ def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_k
     "matmul",
     "(Tensor a, Tensor b, Tensor? c, Tensor? bias, Tensor? residual, Tensor? scale_a, Tensor? scale_b, "
     "float alpha, float beta, int bias_kind, int activation, float p0, float p1, bool store_pre, bool amax, "
-    "ScalarType out_dtype) -> (Tensor, Tensor, Tensor)",
+    "ScalarType out_dtype, bool fast_accum=False) -> (Tensor, Tensor, Tensor)",
     _fake_forward,
 )
 def _forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-             store_pre, amax, out_dtype):  # fmt: skip
+             store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
     """The product and its epilogue (see ``matmul``); absent pre-activation and amax come back as
     empty tensors (an op returns tensors only)."""
     run = forward_plan(
-        a, b, c, bias, residual, scale_a is not None, out_dtype, bias_kind, activation, store_pre, amax
-    )
+        a, b, c, bias, residual, scale_a is not None, out_dtype, bias_kind, activation, store_pre, amax,
+        fast_accum,
+    )  # fmt: skip
     out, pre, am = run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1)
     return (
         out,
@@ -223,7 +224,7 @@ def _rows_merge(t: torch.Tensor) -> bool:
     return all(outer[1] == inner[0] * inner[1] for outer, inner in itertools.pairwise(dims))
 
 
-def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, scale_b, want_amax):
+def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, scale_b, want_amax, fast_accum):
     """Validate, bring the call to the op's shapes and run it (through autograd when needed).
 
     Returns the result and, for a plain eager call that a later one may repeat without checks, a
@@ -260,6 +261,10 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     full = (*batch, m, n)
     shape = (*batch, *((m,) if input.ndim > 1 else ()), *((n,) if other.ndim > 1 else ()))
+    if fast_accum is not False and not (fast_accum is True and fp8):
+        raise ValueError(
+            f"{op}: argument 'use_fast_accum'={fast_accum!r} must be a bool, and True only for fp8 operands"
+        )
     scale_a = _check_scale(op, "scale_a", scale_a, fp8)
     scale_b = _check_scale(op, "scale_b", scale_b, fp8)
     if out_dtype is not None and epi.out_dtype is not None and out_dtype != epi.out_dtype:
@@ -335,6 +340,7 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
             store_pre,
             want_amax,
             out_dtype,
+            fast_accum,
         )
     out = out.view(shape)
     result = MatmulOutput(out, pre.view(shape) if store_pre else None, am if want_amax else None)
@@ -371,6 +377,7 @@ def matmul(
     scale_a: torch.Tensor | None = None,
     scale_b: torch.Tensor | None = None,
     amax: bool = False,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor | MatmulOutput:
     """``torch.matmul`` with a fused epilogue: ``act(alpha * input @ other + beta * c + bias) + residual``.
 
@@ -386,6 +393,10 @@ def matmul(
             ``epilogue.out_dtype``.
         scale_a, scale_b: fp8 only, required: float32 tensors of one element multiplying each operand.
         amax: also return max |output| (an fp32 scalar), for fp8 scaling recipes.
+        use_fast_accum: fp8 only, as ``torch._scaled_mm``'s: let the tensor cores accumulate the
+            whole K loop in their own reduced precision. By default the partial sums are added
+            into fp32 every 128 (one K tile), as cuBLAS does; on H100 (8192^3 e4m3) fast
+            accumulation ran 1.2x faster, with a relative error of 2.6e-3 against 1.7e-3.
 
     Returns the output, or a ``MatmulOutput(out, preactivation, amax)`` when
     ``epilogue.store_preactivation`` or ``amax`` asks for more.
@@ -406,6 +417,7 @@ def matmul(
         and scale_a is None
         and scale_b is None
         and not amax
+        and not use_fast_accum
     )
     key = None
     if plain and plain_eager(input) and plain_eager(other) and input.device == other.device:
@@ -424,8 +436,9 @@ def matmul(
             return fast(input, other, None, 0.0, 0.0)
     names = ("input", "other")
     result, fast = _run(
-        "tdnn.matmul", names, input, other, epilogue, c, bias, residual, out_dtype, scale_a, scale_b, amax
-    )
+        "tdnn.matmul", names, input, other, epilogue, c, bias, residual, out_dtype, scale_a, scale_b, amax,
+        use_fast_accum,
+    )  # fmt: skip
     if key is not None and fast is not None:
         _eager[key] = fast
     return result
@@ -503,7 +516,7 @@ def linear(
     )
     b = weight.t() if weight.ndim == 2 else weight
     out, fast = _run(
-        op, ("input", "weight"), input, b, epi, None, bias, residual, out_dtype, None, None, False
+        op, ("input", "weight"), input, b, epi, None, bias, residual, out_dtype, None, None, False, False
     )
     if key is not None and fast is not None:
         _eager[key] = fast

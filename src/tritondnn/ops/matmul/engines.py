@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.strides import collapse
+from ..transform import transform_tensor
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
 from .tma import _persistent_kernel
 
@@ -53,7 +55,8 @@ class MatmulProblem(Problem):
     strides are ``Strides`` per tensor. ``dtypes``: A, B, out. ``c_strides``/``residual_strides``
     are None when that input is absent; ``bias``: 0 none, 1 per column, 2 per row;
     ``activation``: an ``Activation`` value or -1. ``scaled``: fp8 with per-tensor scales.
-    ``tf32``: fp32 products may use TF32 (``config.allow_tf32``).
+    ``tf32``: fp32 products may use TF32 (``config.allow_tf32``). ``fast_accum``: fp8 products
+    accumulate in the tensor cores' own precision over the whole K loop.
     """
 
     m: int
@@ -75,6 +78,7 @@ class MatmulProblem(Problem):
     amax: bool
     tf32: bool
     index_64: bool
+    fast_accum: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -154,6 +158,7 @@ def layout(
     store_pre: bool,
     scaled: bool,
     amax: bool,
+    fast_accum: bool = False,
 ) -> Layout:
     """The problem the call poses (see the module docstring for what the tensors must be)."""
     m, k = a.shape[-2:]
@@ -206,6 +211,7 @@ def layout(
         amax=amax,
         tf32=config.allow_tf32 and a.dtype == torch.float32,
         index_64=max(reach + 1, math.prod(out_shape)) > 2**31 - 1,
+        fast_accum=fast_accum,
     )
     return Layout(problem, out_shape, swapped)
 
@@ -284,7 +290,8 @@ def _epilogue_strides(p: MatmulProblem) -> tuple[int, ...]:
 def _dot_constexprs(p: MatmulProblem) -> tuple:
     """ACC, PRECISION, UPCAST."""
     acc = tl.float64 if p.dtypes[0] == "float64" else tl.float32
-    precision = "tf32" if p.tf32 else "ieee"  # ignored by tl.dot for operands other than fp32
+    # "tf32" and "ieee" for fp32 operands (tl.dot's input_precision); "fast" for fp8 is ``dot``'s.
+    precision = "tf32" if p.tf32 else "fast" if p.fast_accum else "ieee"
     return acc, precision, INTERPRET and p.dtypes[0] == "bfloat16"
 
 
@@ -313,10 +320,11 @@ def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) ->
 
 def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     """Tile shapes for the tiled and persistent kernels, the heuristic's pick first: 128x256
-    (16-bit) or 128x256x128 (fp8) tiles for big problems, smaller ones where the big tiles would
+    (16-bit) or 256x128x128 (fp8) tiles for big problems, smaller ones where the big tiles would
     leave SMs idle."""
     if p.fp8:
-        shapes = [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4), (64, 128, 128, 4, 4)]
+        # 256x128 before 128x256: 1001-1060 us against 1150-1200 (H100, 8192^3 e4m3, GROUP_M 16).
+        shapes = [(256, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)]
     elif p.dtypes[0] == "float64":
         shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2), (64, 32, 32, 4, 2)]
     elif p.dtypes[0] == "float32" and not p.tf32:
@@ -338,7 +346,7 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
             (256, 128, 64, 8, 3),
             (64, 64, 64, 4, 4),
         ]
-    configs = [_tile(*s) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
+    configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
         configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
@@ -361,7 +369,10 @@ class TiledEngine(Engine[MatmulProblem]):
     def cost(self, problem: MatmulProblem) -> float:
         c = self.configs(problem)[0]
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
-        return _roofline(problem, 0.8 * _wave_util(programs), 0.6 * min(1.0, programs / sm_count())) + 4
+        # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
+        slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and _hopper() else 1.0
+        compute = 0.8 * _wave_util(programs) * slow_tf32
+        return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
         return _tile_configs(problem)
@@ -437,7 +448,10 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
     def cost(self, problem: MatmulProblem) -> float:
         c = self.configs(problem)[0]
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
-        return _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count())) + 5
+        repack_a, repack_b = _tf32_repacks(problem)
+        copied = 8 * (repack_a * problem.m * problem.k + repack_b * problem.k * problem.n)  # read + write
+        kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
+        return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
         # The output tile is staged in shared memory for its descriptor store, beside the
@@ -464,6 +478,16 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         # warp specialization 2-5% for K = 2048 to 4096 and lost 5% at K = 8192. (A 5-stage
         # 128x128 warp-specialized variant computed NaNs: not listed.)
         if problem.k <= 1024:
+            p = problem
+            heavy = p.activation >= 0 or p.residual_strides is not None
+            if heavy and cdiv(p.m, 128) * cdiv(p.n, 128) >= 4 * sm_count():
+                # A short K loop leaves the epilogue a large share of the time: two 128x128 programs
+                # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
+                # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
+                # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
+                paired = {**_tile(128, 128, 64, 4, 3), "WARP_SPECIALIZE": False, "FLATTEN": True, "CTAS": 2,
+                          "STORE_DESC": False}  # fmt: skip
+                return [paired, *flattened, *plain, *specialized]
             return flattened + plain + specialized
         if problem.k <= 4096:
             return specialized + plain + flattened
@@ -471,75 +495,98 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-        programs = min(sm_count(), cdiv(p.m, bm) * cdiv(p.n, bn))
-        so_m, so_n = p.out_strides[2:]
-        out_desc = so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
-        c_strides = (p.c_strides or (0,) * 4)[2:]
-        r_strides = (p.residual_strides or (0,) * 4)[2:]
-        a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
-        launch = launcher(
-            _persistent_kernel,
-            (programs,),
-            num_tensors=10,
-            ints=(
-                p.m,
-                p.n,
-                p.k,
-                *p.a_strides[2:],
-                *p.b_strides[2:],
-                so_m,
-                so_n,
-                *c_strides,
-                *r_strides,
-                p.bias_stride,
-                programs,
-            ),
-            constexprs=(
-                *_epilogue_constexprs(p),
-                *_dot_constexprs(p)[:2],
-                a_t,
-                b_t,
-                out_desc,
-                bm,
-                bn,
-                config["BLOCK_K"],
-                config["GROUP_M"],
-                config["WARP_SPECIALIZE"],
-                config["FLATTEN"],
-            ),
-            num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
-        )
-        fallback = TiledEngine().bind(p, _tile_configs(p)[0])
-        built = False
+        # What runs if this config fails to build: the same tile without warp specialization and
+        # flattening (their pipelines take more shared memory: a residual epilogue overflowed it
+        # with 128x256 tiles), then the tiled kernel.
+        tiled = TiledEngine().bind(p, _tile_configs(p)[0])
+        plain = {**config, "WARP_SPECIALIZE": False, "FLATTEN": False}
+        configs = [config] + ([plain] if plain != config else [])
+        repack_a, repack_b = _tf32_repacks(p)
+        if repack_a:
+            p = dataclasses.replace(p, a_strides=(0, 0, p.k, 1))
+        if repack_b:
+            p = dataclasses.replace(p, b_strides=(0, 0, 1, p.k))
+        attempts = [(f"the {self.name} kernel with {c}", _persistent_launch(p, c)) for c in configs]
+        attempts.append(("the tiled kernel", tiled))
+        launch = None
 
         def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
-            nonlocal launch, built
+            nonlocal launch
             # Descriptors need 16-byte-aligned base addresses, which only the call knows.
             if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
-                fallback(a, b, out, *rest)
+                tiled(a, b, out, *rest)
                 return
             ensure_allocator()
-            if built:
+            if repack_a:
+                a = _row_major(a.as_strided((problem.m, problem.k), problem.a_strides[2:]))
+            if repack_b:
+                b = _row_major(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t()).t()
+            if launch is not None:
                 launch(a, b, out, *rest)
                 return
-            try:  # the first launch compiles
-                launch(a, b, out, *rest)
-            except Exception as exc:  # Triton's passes raise errors of many kinds
-                # Triton 3.6's warp specialization fails to compile some epilogues: warn, and
-                # let the tiled kernel serve this problem.
-                warnings.warn(
-                    f"tritondnn: the {self.name} kernel with {config} failed to build "
-                    f"({type(exc).__name__}: {str(exc)[:200]}); using the tiled kernel instead",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                launch = fallback
-                launch(a, b, out, *rest)
-            built = True
+            for (name, attempt), (then, _) in itertools.pairwise(attempts):
+                try:  # the first launch compiles
+                    attempt(a, b, out, *rest)
+                except Exception as exc:  # Triton's passes raise errors of many kinds
+                    warnings.warn(
+                        f"tritondnn: {name} failed to build ({type(exc).__name__}: {str(exc)[:200]}); "
+                        f"using {then} instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                launch = attempt
+                return
+            launch = tiled
+            launch(a, b, out, *rest)
 
         return run
+
+
+def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:
+    """Whether the persistent kernel copies A, B K-major first. Hopper's TF32 MMAs read both
+    operands K-major from shared memory; Triton serves an operand stored the other way with
+    Ampere's MMAs instead: 76 TFLOP/s on H100 for 4096^3 with B row-major, 318 with B K-major,
+    where the copy (a tiled transpose at the copy rate) moves 128 MB in about 50 us."""
+    if not p.tf32:
+        return False, False
+    a_m_major = _tma_transposed(p.a_strides, p.dtypes[0]) is True
+    b_n_major = _tma_transposed(p.b_strides, p.dtypes[1]) is False
+    return a_m_major, b_n_major
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of the column-major matrix ``x``: its transpose is a contiguous C x R
+    matrix, which as a (1, C, R, 1) NCHW tensor goes channels-last through the tiled transpose."""
+    rows, cols = x.shape
+    y = transform_tensor(x.t().reshape(1, cols, rows, 1), memory_format=torch.channels_last)
+    return y[0, :, :, 0].t()
+
+
+def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+    """The persistent TMA kernel for ``p`` with ``config`` (see ``PersistentTmaEngine.configs``)."""
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
+    # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
+    programs = min(config.get("CTAS", 1) * sm_count(), cdiv(p.m, bm) * cdiv(p.n, bn))
+    so_m, so_n = p.out_strides[2:]
+    out_desc = config.get("STORE_DESC", True) and so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
+    c_strides = (p.c_strides or (0,) * 4)[2:]
+    r_strides = (p.residual_strides or (0,) * 4)[2:]
+    a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
+    return launcher(
+        _persistent_kernel,
+        (programs,),
+        num_tensors=10,
+        ints=(p.m, p.n, p.k, *p.a_strides[2:], *p.b_strides[2:], so_m, so_n, *c_strides, *r_strides,
+              p.bias_stride, programs),
+        constexprs=(
+            *_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc, bm, bn, config["BLOCK_K"],
+            config["GROUP_M"], config["WARP_SPECIALIZE"], config["FLATTEN"],
+        ),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )  # fmt: skip
 
 
 def _split_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:

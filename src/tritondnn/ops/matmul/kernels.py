@@ -14,7 +14,8 @@ Arguments shared by the kernels, documented once:
   pre: m, n), c and r (residual: m, n); stride 0 broadcasts. ``s_bias`` steps the bias vector.
 * Constexprs: the epilogue flags ``HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE`` (``apply_epilogue``),
   ``SCALED`` (multiply by scale_a * scale_b first), ``AMAX`` (record max |out|); ``PRECISION`` is
-  tl.dot's input_precision ("ieee" or "tf32" for fp32); ``UPCAST`` makes dots on fp32 copies of
+  tl.dot's input_precision ("ieee" or "tf32" for fp32), or "fast" for fp8 accumulated in the
+  tensor cores over the whole K loop (``use_fast_accum``); ``UPCAST`` makes dots on fp32 copies of
   the tiles (the interpreter computes bf16 dots wrongly); ``ACC`` is the accumulator dtype (fp64
   for fp64 operands, else fp32); ``INDEX_64`` computes offsets in int64 (some tensor spans 2**31
   elements or more).
@@ -46,6 +47,8 @@ def grouped(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # bf16 under the interpreter: products of bf16 values are exact in fp32
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype.is_fp8() and PRECISION == "fast":
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
     elif a.dtype.is_fp8():
         # Hopper's fp8 MMAs keep fewer accumulator bits than fp32, and Triton lets them run a
         # whole K loop so (max_num_imprecise_acc 2**30); promoting to fp32 once per K tile keeps

@@ -37,6 +37,7 @@ def forward_plan(
     activation: int,
     store_pre: bool,
     amax: bool,
+    fast_accum: bool = False,
 ) -> Callable[..., tuple]:
     """The plan for a matmul call on these tensors (as ``engines.layout`` takes them):
     ``run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1) -> (out, pre, amax)``,
@@ -55,6 +56,7 @@ def forward_plan(
         store_pre,
         amax,
         scaled,
+        fast_accum,
         signature(c),
         signature(bias),
         signature(residual),
@@ -73,6 +75,7 @@ def forward_plan(
             store_pre=store_pre,
             scaled=scaled,
             amax=amax,
+            fast_accum=fast_accum,
         )
         found = _plans[key] = _forward_run(lay.problem, lay.out_shape, lay.swapped, (a, b, c, bias, residual))
     return found

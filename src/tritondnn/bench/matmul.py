@@ -97,19 +97,23 @@ def _backward(m: int, n: int, k: int, dtype: torch.dtype) -> Case:
     )
 
 
-def _fp8(m: int, n: int, k: int) -> Case:
+def _fp8(m: int, n: int, k: int, fast_accum: bool) -> Case:
     """fp8 e4m3 with per-tensor scales (B K-major, as the fp8 tensor cores take it), against
-    cuBLAS's fp8 GEMM; the target is 1.5x our own bf16 case of the same shape."""
+    cuBLAS's fp8 GEMM with the same accumulation mode; the target is 1.5x our own bf16 case of
+    the same shape."""
     a = _randn(m, k, dtype=torch.float8_e4m3fn)
     b = _randn(n, k, dtype=torch.float8_e4m3fn).t()
     sa = sb = torch.ones((), device=DEVICE_TYPE)
     scaled_mm = getattr(torch, "_scaled_mm", None)
     anchor = None
     if scaled_mm is not None:
-        anchor = partial(scaled_mm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        anchor = partial(
+            scaled_mm, a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        )
+    ours = partial(mm.matmul, a, b, scale_a=sa, scale_b=sb, use_fast_accum=fast_accum)
     return Case(
-        _name("matmul", m, n, k, torch.float8_e4m3fn, "TN"),
-        providers(tritondnn=partial(mm.matmul, a, b, scale_a=sa, scale_b=sb), torch=anchor),
+        _name("matmul", m, n, k, torch.float8_e4m3fn, "TN") + (" fast-accum" if fast_accum else ""),
+        providers(tritondnn=ours, torch=anchor),
         flops=2 * m * n * k,
     )
 
@@ -133,10 +137,13 @@ def _under(flag: bool, fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def _fp32(m: int, n: int, k: int, tf32: bool) -> Case:
-    a, b = _randn(m, k, dtype=torch.float32), _randn(k, n, dtype=torch.float32)
+def _fp32(m: int, n: int, k: int, tf32: bool, layout: str = "NN") -> Case:
+    """fp32 or TF32; layout "NT" takes B K-major (a linear layer's weight), which TF32's Hopper
+    MMAs read in place, where "NN" has B copied K-major first."""
+    a = _randn(m, k, dtype=torch.float32)
+    b = _randn(k, n, dtype=torch.float32) if layout == "NN" else _randn(n, k, dtype=torch.float32).t()
     return Case(
-        _name("matmul", m, n, k, torch.float32, "NN").replace("fp32", "tf32" if tf32 else "fp32"),
+        _name("matmul", m, n, k, torch.float32, layout).replace("fp32", "tf32" if tf32 else "fp32"),
         providers(
             tritondnn=_under(tf32, partial(mm.matmul, a, b)), torch=_under(tf32, partial(torch.matmul, a, b))
         ),
@@ -162,6 +169,8 @@ def cases(quick: bool) -> Iterator[Case]:
     if not quick:
         yield _backward(8192, 4096, 4096, torch.bfloat16)
     if torch.cuda.get_device_capability() >= (9, 0):
-        yield _fp8(8192, 8192, 8192)
+        yield _fp8(8192, 8192, 8192, fast_accum=False)
+        yield _fp8(8192, 8192, 8192, fast_accum=True)
     for tf32 in (False, True):
         yield _fp32(4096, 4096, 4096, tf32)
+    yield _fp32(4096, 4096, 4096, True, "NT")

@@ -115,7 +115,7 @@ def normal_cdf(x):
     and P of degree 7, fitted for the least relative error over z <= 6 (1.1e-7; beyond, where Q
     is under 1e-9, under 5e-4); Phi is Q for x < 0 and 1 - Q above. The lower tail has no
     cancellation (0.5 * (1 + erf(x / sqrt 2)) loses every digit below x = -5.5), and the cost is
-    two MUFU operations and about 20 instructions, where libdevice's erf took 32 and spilled
+    two MUFU operations and about 16 instructions, where libdevice's erf took 32 and spilled
     registers in a GEMM epilogue. fp64: erf.
     """
     if x.dtype == tl.float64:

@@ -261,7 +261,7 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     full = (*batch, m, n)
     shape = (*batch, *((m,) if input.ndim > 1 else ()), *((n,) if other.ndim > 1 else ()))
-    if fast_accum is not False and not (fast_accum is True and fp8):
+    if not isinstance(fast_accum, bool) or (fast_accum and not fp8):
         raise ValueError(
             f"{op}: argument 'use_fast_accum'={fast_accum!r} must be a bool, and True only for fp8 operands"
         )
@@ -395,8 +395,8 @@ def matmul(
         amax: also return max |output| (an fp32 scalar), for fp8 scaling recipes.
         use_fast_accum: fp8 only, as ``torch._scaled_mm``'s: let the tensor cores accumulate the
             whole K loop in their own reduced precision. By default the partial sums are added
-            into fp32 every 128 (one K tile), as cuBLAS does; on H100 (8192^3 e4m3) fast
-            accumulation ran 1.2x faster, with a relative error of 2.6e-3 against 1.7e-3.
+            into fp32 every 128 (one K tile), as cuBLAS does. On H100 fast accumulation ran 1.2x
+            faster (8192^3 e4m3); relative error at K = 8192 (fp32 output) 3.4e-4 against 1.3e-4.
 
     Returns the output, or a ``MatmulOutput(out, preactivation, amax)`` when
     ``epilogue.store_preactivation`` or ``amax`` asks for more.

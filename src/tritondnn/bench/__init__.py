@@ -124,9 +124,10 @@ class Table:
             )
 
 
-def run_cases(suite: str, cases: Iterable[Case], table: Table) -> list[Row]:
-    """Time every provider of every case; each case's tensors are freed before the next is made."""
-    rows: list[Row] = []
+def run_cases(suite: str, cases: Iterable[Case], table: Table, rows: list[Row] | None = None) -> list[Row]:
+    """Time every provider of every case, appending to ``rows`` (returned) case by case; each
+    case's tensors are freed before the next is made."""
+    rows = [] if rows is None else rows
     for case in cases:
         measured = []
         for provider, fn in case.providers.items():
@@ -153,10 +154,13 @@ def run(
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES)}")
     rows: list[Row] = []
     echo(f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    for suite in suites or SUITES:
-        module = importlib.import_module(f"{__name__}.{suite}")
-        echo(f"\n[{suite}]")
-        rows += run_cases(suite, module.cases(quick), Table(echo))
+    try:
+        for suite in suites or SUITES:
+            module = importlib.import_module(f"{__name__}.{suite}")
+            echo(f"\n[{suite}]")
+            run_cases(suite, module.cases(quick), Table(echo), rows)
+    except KeyboardInterrupt:  # a time limit's SIGINT: keep what was measured
+        echo(f"\ninterrupted: writing the {len(rows)} rows measured so far")
     if json_path:
         write_json(rows, json_path)
         echo(f"\nwrote {json_path}")

@@ -202,28 +202,28 @@ def test_bad_input():
     ],
     ids=str,
 )
-def test_shifted_gemm_dgrad_wgrad(case, poison):
-    """Gradients of a stride-1 convolution as shifted GEMMs (channels-last, fp16): dx from dy and
-    the transposed, flipped weights; dw per tap from dy and x's shifted rows, split over pixels."""
+def test_boxed_dgrad_shifted_wgrad(case, poison):
+    """Gradients of a stride-1 convolution on Hopper's engines (channels-last, fp16): dx as the
+    boxed GEMM of dy with the flipped weights (in place when channels-last, else packed; 'same'
+    and 'valid' padding), dw per tap from dy and x's shifted rows, split over pixels."""
     _, _, kernel, stride, pads, dilation, groups = case
     x, w, dy = _tensors(case, torch.float16, last=True)
     dy = channels_last(dy)
-    rx, _ = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
-    dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo="shifted_gemm")
-    assert dx.stride(1) == 1
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
     torch_dx = torch.ops.aten.convolution_backward(
         dy.float(), x.float(), w.float(), None, stride, [p[0] for p in pads], dilation, False,
         [0] * len(stride), groups, [True, False, False],
     )[0].half()  # fmt: skip
-    assert_close(dx, rx, torch_dx, f"shifted dgrad {case}")
-    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    for weights in (w, channels_last(w)):
+        dx = conv.conv_backward_data(dy, weights, x.shape, stride, pads, dilation, groups, algo="boxed_gemm")
+        assert dx.stride(1) == 1
+        assert_close(dx, rx, torch_dx, f"boxed dgrad {case}")
     dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo="shifted_gemm")
     assert_close(dw, rw, what=f"shifted wgrad {case}")
     if max(kernel) == 1:
         return
-    with pytest.raises(tdnn.NotSupportedError, match="larger than the source"):
-        valid = ((0, 0),) * len(stride)
-        dy_valid = channels_last(conv_reference(x, w, None, stride, valid, dilation, groups).half())
-        conv.conv_backward_data(
-            dy_valid.half(), w, x.shape, stride, valid, dilation, groups, algo="shifted_gemm"
-        )
+    valid = ((0, 0),) * len(stride)
+    dy_valid = channels_last(conv_reference(x, w, None, stride, valid, dilation, groups).half())
+    rx, _ = conv_backward_reference(x, w, dy_valid, stride, valid, dilation, groups)
+    dx = conv.conv_backward_data(dy_valid, w, x.shape, stride, valid, dilation, groups, algo="boxed_gemm")
+    assert_close(dx, rx, what=f"boxed dgrad, valid padding {case}")

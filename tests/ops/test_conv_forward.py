@@ -319,69 +319,74 @@ def test_bad_input():
         conv.conv_transpose2d(x, w, stride=1, output_padding=1)
 
 
-# (shape, cout, kernel, padding, dilation, groups): stride-1 channels-last problems of the
-# shifted-GEMM engine, channel counts multiples of 8 (16-byte pixel rows in fp16).
-SHIFTED_CASES = [
-    ((2, 16, 7, 9), 24, (3, 3), 1, 1, 1),
-    ((2, 16, 7, 9), 24, (3, 3), 0, 1, 1),
-    ((1, 32, 6, 5), 32, (3, 3), (2, 1), (2, 1), 2),
-    ((2, 8, 5, 6), 40, (1, 1), 0, 1, 1),
-    ((2, 16, 11), 16, (5,), 2, 1, 1),
-    ((1, 16, 4, 5, 6), 16, (3, 3, 3), 1, 1, 1),
+# (shape, cout, kernel, stride, padding, dilation, groups): channels-last problems of the boxed-GEMM
+# engine, channel counts multiples of 8 (16-byte pixel steps in fp16).
+BOXED_CASES = [
+    ((2, 16, 7, 9), 24, (3, 3), 1, 1, 1, 1),
+    ((2, 16, 7, 9), 24, (3, 3), 1, 0, 1, 1),
+    ((1, 32, 6, 5), 32, (3, 3), 1, (2, 1), (2, 1), 2),
+    ((2, 8, 5, 6), 40, (1, 1), 1, 0, 1, 1),
+    ((2, 16, 9, 10), 24, (1, 1), 2, 0, 1, 1),
+    ((2, 16, 9, 10), 8, (3, 3), 2, 2, 2, 1),
+    ((2, 16, 11), 16, (5,), 1, 2, 1, 1),
+    ((1, 16, 4, 5, 6), 16, (3, 3, 3), 1, 1, 1, 1),
 ]
 
 
-@pytest.mark.parametrize("case", SHIFTED_CASES, ids=str)
-def test_shifted_gemm(case, poison):
-    """Each tap's A tile is a block of pixel rows shifted by a constant, masked at image edges:
-    'same' and 'valid' padding, dilation, groups, 1-D/2-D/3-D, 1x1, with the fused epilogue."""
-    shape, cout, kernel, padding, dilation, groups = case
+@pytest.mark.parametrize("case", BOXED_CASES, ids=str)
+def test_boxed_gemm(case, poison):
+    """Image tiles are descriptor boxes with the padding loaded as zeros: 'same' and 'valid'
+    padding, dilation, groups, stride 2 where every tap lands on the strided view, 1-D/2-D/3-D,
+    1x1, with the fused epilogue."""
+    shape, cout, kernel, stride, padding, dilation, groups = case
     nd = len(shape) - 2
     x = layout(torch.randn(shape, device=DEVICE), "channels_last").half()
     w = (torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE) / 3).half()
     b = torch.randn(cout, device=DEVICE).half()
     pads, dl = pairs(padding, nd), (dilation,) * nd if isinstance(dilation, int) else dilation
-    ref_pre = conv_reference(x, w, b, (1,) * nd, pads, dl, groups)
+    ref_pre = conv_reference(x, w, b, (stride,) * nd, pads, dl, groups)
     r = layout(torch.randn(ref_pre.shape, device=DEVICE), "channels_last").half()
     epi = Epilogue(activation="relu", residual=True)
-    y = FNS[nd](x, w, b, 1, padding, dilation, groups, algo="shifted_gemm", epilogue=epi, residual=r)
+    y = FNS[nd](x, w, b, stride, padding, dilation, groups, algo="boxed_gemm", epilogue=epi, residual=r)
     assert y.stride(1) == 1, "channels-last in, channels-last out"
     ref = F.relu(ref_pre) + r.double()
-    torch_out = (F.relu(torch_conv(x, w, b, 1, padding, dl, groups).float()) + r.float()).half()
-    assert_close(y, ref, torch_out, f"shifted_gemm {case}")
+    torch_out = (F.relu(torch_conv(x, w, b, stride, padding, dl, groups).float()) + r.float()).half()
+    assert_close(y, ref, torch_out, f"boxed_gemm {case}")
 
 
-def test_shifted_gemm_weights_packed_or_in_place():
+def test_boxed_gemm_weights_packed_or_in_place():
     """Channels-last weights are read in place; other layouts are packed per call."""
     x = layout(torch.randn(2, 16, 6, 7, device=DEVICE), "channels_last").half()
     w = (torch.randn(24, 16, 3, 3, device=DEVICE) / 3).half()
     ref = conv_reference(x, w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
     for weights in (w, layout(w, "channels_last"), layout(w, "strided")):
-        y = conv.conv2d(x, weights, None, 1, 1, algo="shifted_gemm")
+        y = conv.conv2d(x, weights, None, 1, 1, algo="boxed_gemm")
         assert_close(y, ref, torch_conv(x, w, None, 1, 1, (1, 1), 1), "weights")
 
 
-def test_shifted_gemm_not_supported_and_heuristic():
+def test_boxed_gemm_not_supported_and_heuristic():
     x = layout(torch.randn(2, 16, 6, 7, device=DEVICE), "channels_last").half()
     w = torch.randn(16, 16, 3, 3, device=DEVICE).half()
-    with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
-        conv.conv2d(x, w, stride=2, algo="shifted_gemm")
+    with pytest.raises(tdnn.NotSupportedError, match="multiple of the stride"):
+        conv.conv2d(x, w, stride=2, padding=1, algo="boxed_gemm")  # taps at offsets -1, 0, 1
     with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
-        conv.conv2d(x.contiguous(), w, algo="shifted_gemm")
+        conv.conv2d(x.contiguous(), w, algo="boxed_gemm")
     with pytest.raises(tdnn.NotSupportedError, match="fp16, bf16"):
-        conv.conv2d(x.float(), w.float(), algo="shifted_gemm")
+        conv.conv2d(x.float(), w.float(), algo="boxed_gemm")
     x12 = layout(torch.randn(2, 12, 6, 7, device=DEVICE), "channels_last").half()
-    with pytest.raises(tdnn.NotSupportedError, match="16-byte alignment"):
-        conv.conv2d(x12, w[:, :12], algo="shifted_gemm")  # 24-byte pixel rows
+    with pytest.raises(tdnn.NotSupportedError, match="multiples of 16 bytes"):
+        conv.conv2d(x12, w[:, :12], algo="boxed_gemm")  # 24-byte pixel steps
     with pytest.raises(tdnn.NotSupportedError, match="runs of channels"):
-        conv.conv2d(x[:, :12], w[:, :12], algo="shifted_gemm")  # rows of 16, 12 channels per tap
-    # The heuristic takes it for 1x1 convolutions (no masks), not for 3x3 ones.
-    chosen = {r.name for r in tdnn.engines("conv", x, w[:, :, :1, :1]) if r.chosen}
-    assert chosen == {"shifted_gemm"}
-    assert {r.name for r in tdnn.engines("conv", x, w, None, 1, 1) if r.chosen} == {"implicit_gemm"}
+        conv.conv2d(x[:, :12], w[:, :12], algo="boxed_gemm")  # steps of 16, 12 channels per tap
+    # The heuristic takes it for ResNet's 1x1 and 3x3 convolutions in channels-last fp16.
+    x = layout(torch.randn(2, 64, 14, 14, device=DEVICE), "channels_last").half()
+    w = torch.randn(64, 64, 3, 3, device=DEVICE).half()
+    for weights, padding in ((w[:, :, :1, :1], 0), (w, 1)):
+        chosen = {r.name for r in tdnn.engines("conv", x, weights, None, 1, padding) if r.chosen}
+        assert chosen == {"boxed_gemm"}
 
 
-def test_shifted_gemm_misaligned_base_falls_back():
+def test_descriptor_engines_fall_back_on_a_misaligned_base():
     """Descriptors need 16-byte-aligned base addresses, known only per call: a channel slice that
     starts 2 bytes in runs the gathered implicit GEMM, forward and in both gradients."""
     base = layout(torch.randn(2, 24, 6, 7, device=DEVICE), "channels_last").half()
@@ -389,13 +394,13 @@ def test_shifted_gemm_misaligned_base_falls_back():
     assert x.data_ptr() % 16 == 2
     w = (torch.randn(16, 16, 3, 3, device=DEVICE) / 3).half()
     pads = ((1, 1), (1, 1))
-    y = conv.conv2d(x, w, None, 1, 1, algo="shifted_gemm")
+    y = conv.conv2d(x, w, None, 1, 1, algo="boxed_gemm")
     assert_close(
         y, conv_reference(x, w, None, (1, 1), pads, (1, 1), 1), torch_conv(x, w, None, 1, 1, (1, 1), 1)
     )
     dy = base[:, 2:18]
     rx, rw = conv_backward_reference(x, w, dy, (1, 1), pads, (1, 1), 1)
-    dx = conv.conv_backward_data(dy, w, x.shape, 1, pads, 1, 1, algo="shifted_gemm")
+    dx = conv.conv_backward_data(dy, w, x.shape, 1, pads, 1, 1, algo="boxed_gemm")
     assert_close(dx, rx, what="dgrad")
     dw = conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="shifted_gemm")
     assert_close(dw, rw, what="wgrad")

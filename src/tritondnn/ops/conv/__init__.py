@@ -14,13 +14,14 @@ Weight gradients are split over the batch and pixels with the partial sums added
 the same bits on every run, with or without ``tdnn.config.deterministic``.
 
 Engines (``tdnn.engines("conv", x, w, ...)`` lists them with their reasons): ``implicit_gemm``,
-``shifted_gemm`` (Hopper, stride-1 channels-last: tensor-descriptor tiles of the pixel-row matrix),
-``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(2x2, 3x3)), ``fft``; the data and weight
-gradient families ``conv_dgrad`` and ``conv_wgrad`` have ``implicit_gemm``, ``shifted_gemm`` and
-``depthwise``.
+``boxed_gemm`` (Hopper, channels-last: image tiles as tensor-descriptor boxes, the padding filled
+by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(2x2, 3x3)),
+``fft``; the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1)
+and ``depthwise``, the weight-gradient family ``conv_wgrad`` ``implicit_gemm``, ``shifted_gemm``
+(Hopper, stride-1 channels-last: per tap, pixel rows shifted by a constant) and ``depthwise``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``shifted``, ``depthwise``, ``winograd``, ``fft``, ``plans`` (per-shape plans,
+``engines``, ``boxed``, ``shifted``, ``depthwise``, ``winograd``, ``fft``, ``plans`` (per-shape plans,
 torch.library ops), ``autograd``, ``reference``; this module holds the public functions.
 """
 
@@ -33,7 +34,8 @@ import torch
 
 from ...core.autocast import LOWER, autocast_policy
 from ..epilogue import Epilogue
-from . import depthwise as _depthwise  # noqa: F401  (registers its engines)
+from . import boxed as _boxed  # noqa: F401  (registers its engines)
+from . import depthwise as _depthwise  # noqa: F401
 from . import fft as _fft  # noqa: F401
 from . import shifted as _shifted  # noqa: F401
 from . import winograd as _winograd  # noqa: F401
@@ -163,7 +165,7 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
     mismatches, zero strides, kernels larger than the padded input.
     """
 
-_ENGINES = "'implicit_gemm', 'shifted_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
+_ENGINES = "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
 
 
 @autocast_policy(LOWER, LOWER)
@@ -322,7 +324,7 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
         input: (N, C_in, ...) or unbatched; weight: (C_in, C_out / groups, *kernel).
         stride, padding, output_padding, dilation: ints or {nd} ints; output_padding smaller than
             stride or dilation.
-        algo: 'implicit_gemm', 'shifted_gemm' or 'depthwise' (the data-gradient engines), or None.
+        algo: 'implicit_gemm', 'boxed_gemm' or 'depthwise' (the data-gradient engines), or None.
         epilogue, c, residual: as ``conv{nd}d``.
 
     Returns (N, C_out, *out) with out = (in - 1) * stride - 2 * padding + dilation * (k - 1) +
@@ -461,7 +463,7 @@ def conv_backward_data(
     for the output gradient ``grad_output`` (N, C_out, *out). Padding as ``conv2d`` (pairs allowed).
     The result takes grad_output's layout (contiguous or channels-last). Stride > 1 runs as
     stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
-    ('implicit_gemm', 'shifted_gemm', 'depthwise'). Differentiable."""
+    ('implicit_gemm', 'boxed_gemm', 'depthwise'). Differentiable."""
     op = "tdnn.conv_backward_data"
     check_tensor_pair(op, grad_output, "grad_output", weight, "weight")
     input_size = tuple(int(s) for s in input_size)

@@ -1,28 +1,23 @@
-"""Stride-1 convolutions of channels-last tensors as shifted GEMMs on tensor descriptors (TMA).
+"""The weight gradient of stride-1 channels-last convolutions as shifted GEMMs on tensor
+descriptors (TMA).
 
 A dense channels-last tensor is a matrix X [N * D * H * W, C], one row per pixel. In a stride-1
 convolution, tap (kd, kh, kw) of every pixel reads the pixel a constant number of rows away:
-``shift = (kd * dd - pd) * H * W + (kh * dh - ph) * W + (kw * dw - pw)``. So the A tile of a tap
-is a plain block of X (BLOCK_M rows from ``off_m + shift``), moved into shared memory by the copy
-engine with no address arithmetic; a gathered implicit GEMM computes an address per element.
-Rows whose shifted pixel lies outside the image (past an edge it wraps into the neighbouring row
-or image) are zeroed in registers before the dot; rows past the tensor's ends load as zeros. The
-weights, a matrix [Cout, taps * Cin_g] with the channels innermost, load by descriptor too: in
-place for channels-last weights, else packed per call (a few microseconds for ResNet's largest).
+``shift = (kd * dd - pd) * H * W + (kh * dh - ph) * W + (kw * dw - pw)``. So per tap, the weight
+gradient is dy's rows (transposed) times x's rows shifted by the tap: plain blocks that the copy
+engine moves into shared memory. Rows whose shifted pixel lies outside the image (past an edge it
+wraps into the neighbouring row or image) are zeroed in dy's tile, in registers; rows past the
+tensor's ends load as zeros.
 
-Rows are indexed on the source's pixel grid: output pixel (n, d, h, w) is computed by row
-(n, d, h, w) of the source, and written if it lies inside the output, which must be no larger
-than the source in any dimension (true for 'same' and 'valid' padding).
-
-The data gradient of a stride-1 convolution is the convolution of the output gradient with the
-transposed, flipped weights (packed per call) and padding ``(k - 1) * d - pad``: the same kernel.
+(The forward and data gradient read boxes of the image instead, ``boxed``; for the weight
+gradient, whose both operands would be such boxes, one of them would pass through registers
+reshaped, and it measured no faster than this kernel on an H100.)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
@@ -32,108 +27,18 @@ from ...core.backend import INTERPRET
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
-from ..epilogue import apply_epilogue
-from ..matmul.kernels import dot, grouped
+from ..matmul.kernels import dot
+from .boxed import descriptor_reasons
 from .engines import (
-    DGRAD_FAMILY,
-    FAMILY,
     WGRAD_FAMILY,
-    ImplicitGemmDgradEngine,
-    ImplicitGemmEngine,
     ImplicitGemmWgradEngine,
     dot_constexprs,
-    epilogue_constexprs,
     peak,
     roofline,
-    row_limit,
     sm_count,
 )
 from .kernels import _sum_kernel
 from .problem import ConvProblem, itemsize
-
-
-@triton.jit
-def _shifted_kernel(
-    src_ptr, w_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
-    alpha, beta, p0, p1,
-    R, NCOLS, CK, C_ALL, s_row, W_ROWS, W_K, w_row,
-    SD, SH, SW, OD, OH, OW, TD, TH, TW, off_d, off_h, off_w, dl_d, dl_h, dl_w,
-    o_n, o_c, o_d, o_h, o_w, s_bias, row_limit, programs,
-    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-):  # fmt: skip
-    """Output tiles of one group, persistent over ``programs`` programs. Grid: (programs, groups).
-
-    src: X [R, C_ALL] (row stride ``s_row``), R = N * SD * SH * SW rows on the source grid; this
-    group's channels are columns [g * CK, (g + 1) * CK). w: [W_ROWS, W_K] (row stride ``w_row``),
-    row = output column of any group (this group's: [g * NCOLS, (g + 1) * NCOLS)), column =
-    tap * CK + channel. Tap (td, th, tw) reads the source at offset ``off + t * dl`` per
-    dimension. Outputs (OD, OH, OW, no larger than the source grid) at strides ``o_*``.
-    MASKED: some tap reaches outside the image (else every shifted row is the pixel itself).
-    FLATTEN: Triton pipelines the tile and K loops as one (the next tile's loads overlap this
-    tile's epilogue).
-    """
-    src_desc = tl.make_tensor_descriptor(src_ptr, [R, C_ALL], [s_row, 1], [BLOCK_M, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS, W_K], [w_row, 1], [BLOCK_N, BLOCK_K])
-    g = tl.program_id(1)
-    tiles_m = tl.cdiv(R, BLOCK_M)
-    tiles_n = tl.cdiv(NCOLS, BLOCK_N)
-    k_blocks = tl.cdiv(CK, BLOCK_K)
-    steps = TD * TH * TW * k_blocks
-    col0 = g * CK
-    wrow0 = g * NCOLS
-    # The epilogue finds its tile from a counter of its own: with the loops flattened, what the top
-    # of the body computes may already belong to the next tile.
-    tile_done = tl.program_id(0) - programs
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
-        pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        rows = off_m + tl.arange(0, BLOCK_M)
-        pw = rows % SW
-        ph = (rows // SW) % SH
-        pd = (rows // (SW * SH)) % SD
-        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-        for i in range(steps):
-            t = i // k_blocks
-            c0 = (i - t * k_blocks) * BLOCK_K
-            tw = t % TW
-            th = (t // TW) % TH
-            td = t // (TW * TH)
-            dd = off_d + td * dl_d
-            dh = off_h + th * dl_h
-            dw = off_w + tw * dl_w
-            a = src_desc.load([off_m + (dd * SH + dh) * SW + dw, col0 + c0])
-            if MASKED:
-                sd = pd + dd
-                sh = ph + dh
-                sw = pw + dw
-                inside = (sd >= 0) & (sd < SD) & (sh >= 0) & (sh < SH) & (sw >= 0) & (sw < SW)
-                a = tl.where(inside[:, None], a, tl.zeros_like(a))
-            b = w_desc.load([wrow0 + off_n, t * CK + c0])
-            acc = dot(a, b.T, acc, PRECISION, UPCAST)
-        tile_done += programs
-        pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ow = rows % SW
-        oh = (rows // SW) % SH
-        rest = rows // (SW * SH)
-        od = rest % SD
-        n = rest // SD
-        ok = (rows < R) & (od < OD) & (oh < OH) & (ow < OW)
-        out_rows = tl.where(ok, n * o_n + od * o_d + oh * o_h + ow * o_w, row_limit)
-        base = g * NCOLS * o_c
-        y = apply_epilogue(
-            acc, out_rows, cols, row_limit, NCOLS,
-            c_ptr + base, 1, o_c, bias_ptr + g * NCOLS * s_bias, s_bias,
-            res_ptr + base, 1, o_c, pre_ptr + base, 1, o_c,
-            alpha, beta, p0, p1, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
-        )  # fmt: skip
-        out_ptrs = out_ptr + base + out_rows[:, None] + cols[None, :] * o_c
-        tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=ok[:, None] & (cols < NCOLS)[None, :])
 
 
 @triton.jit
@@ -221,254 +126,14 @@ def rows_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
     return row if row >= c else None
 
 
-def _hopper() -> bool:
-    return torch.cuda.get_device_capability() >= (9, 0)
-
-
 def _aligned(n: int) -> bool:
     return n % 16 == 0
 
 
-class _Geometry:
-    """What the kernel needs of one direction: the source (x forward, dy for the data gradient)
-    as a row matrix, the output grid, the per-dimension tap offsets and the weight matrix."""
-
-    def __init__(self, p: ConvProblem) -> None:
-        fwd = p.direction == "fwd"
-        self.src_channels = p.cin if fwd else p.cout
-        self.src_size = p.in_size if fwd else p.out_size
-        self.out_size = p.out_size if fwd else p.in_size
-        self.src_strides = p.x_strides if fwd else p.y_strides
-        self.out_strides = p.y_strides if fwd else p.x_strides
-        self.cols = p.cout_g if fwd else p.cin_g  # output columns per group
-        self.ck = p.cin_g if fwd else p.cout_g  # reduction channels per group
-        self.w_rows = p.cout if fwd else p.cin
-        if fwd:
-            self.offsets = tuple(-q for q in p.pad)
-        else:  # the flipped kernel's padding is (k - 1) * d - pad
-            self.offsets = tuple(q - (k - 1) * d for q, k, d in zip(p.pad, p.kernel, p.dilation))
-        shape = (p.n, self.src_channels, *self.src_size)
-        self.s_row = rows_stride(shape, self.src_strides)
-        self.rows = p.n * math.prod(self.src_size)
-        self.k = p.taps * self.ck
-        self.w_inplace = fwd and _weights_in_place(p)
-        pad_to = 16 // itemsize(p.dtype)
-        self.w_row = p.w_strides[0] if self.w_inplace else cdiv(self.k, pad_to) * pad_to
-        self.masked = any(o != 0 for o in self.offsets) or p.taps > 1
-
-
-def _weights_in_place(p: ConvProblem) -> bool:
-    """Whether forward weights (Cout, Cin_g, *kernel) already are the matrix [Cout, taps * Cin_g]
-    with 16-byte-aligned rows: channels-last weights."""
-    wo, wc, wd, wh, ww = p.w_strides
-    kd, kh, kw = p.kernel
-    ck = p.cin_g
-    ok = (ck == 1 or wc == 1) and (kw == 1 or ww == ck) and (kh == 1 or wh == kw * ck)
-    ok = ok and (kd == 1 or wd == kh * kw * ck)
-    return ok and (p.cout == 1 or wo >= p.taps * ck) and _aligned(wo * itemsize(p.dtype))
-
-
-def _pack_weights(p: ConvProblem, geo: _Geometry) -> Callable[[torch.Tensor], torch.Tensor]:
-    """w (Cout, Cin_g, *kernel) -> the kernel's weight matrix: forward [Cout, taps * Cin_g]; data
-    gradient [Cin, taps * Cout_g], taps reversed (rows padded to 16 bytes, the pad never read)."""
-    if geo.w_inplace:
-        return lambda w: w
-    taps, g = p.taps, p.groups
-    dtype = getattr(torch, p.dtype)
-
-    if p.direction == "fwd":
-
-        def pack(w: torch.Tensor) -> torch.Tensor:
-            buf = torch.empty((p.cout, geo.w_row), dtype=dtype, device=w.device)
-            w3 = w.reshape(p.cout, p.cin_g, taps)
-            buf[:, : geo.k].view(p.cout, taps, p.cin_g).copy_(w3.transpose(1, 2))
-            return buf
-
-        return pack
-
-    def pack_transposed(w: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty((p.cin, geo.w_row), dtype=dtype, device=w.device)
-        w4 = w.reshape(g, p.cout_g, p.cin_g, taps).flip(3)
-        buf[:, : geo.k].view(g, p.cin_g, taps, p.cout_g).copy_(w4.permute(0, 2, 3, 1))
-        return buf
-
-    return pack_transposed
-
-
-def _common_reasons(p: ConvProblem) -> list[str]:
-    """What every shifted-GEMM kernel needs: tensor-core dtypes, Hopper, stride 1, 32-bit offsets."""
-    reasons = []
-    if p.dtype not in ("float16", "bfloat16") and not p.tf32:
-        reasons.append(f"needs fp16, bf16 or fp32 with TF32 tensor-core products (got {p.dtype})")
-    if not INTERPRET and not _hopper():
-        reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
+def wgrad_reasons(p: ConvProblem) -> list[str]:
+    reasons = descriptor_reasons(p)
     if p.stride != (1, 1, 1):
         reasons.append(f"needs stride 1 (got {p.stride[3 - p.nd :]})")
-    if p.index_64:
-        reasons.append("offsets past 2**31 (descriptor coordinates are 32-bit)")
-    return reasons
-
-
-def shifted_reasons(p: ConvProblem) -> list[str]:
-    reasons = _common_reasons(p)
-    geo = _Geometry(p)
-    if geo.s_row is None:
-        reasons.append("the source needs a dense channels-last layout (NHWC, NDHWC, NLC)")
-    elif not _aligned(geo.s_row * itemsize(p.dtype)):
-        reasons.append(f"the source's pixel rows need 16-byte alignment ({geo.s_row} channels)")
-    if any(o > s for o, s in zip(geo.out_size, geo.src_size)):
-        reasons.append(f"the output {geo.out_size} is larger than the source {geo.src_size} in a dimension")
-    if p.groups > 1 and geo.ck % 16:
-        reasons.append(f"grouped: needs a multiple of 16 channels per group (got {geo.ck})")
-    elif p.taps > 1 and not _aligned(geo.ck * itemsize(p.dtype)):
-        # Tap t's weights start at column t * channels: descriptor tiles start 16-byte aligned.
-        reasons.append(f"several taps: needs 16-byte runs of channels per group (got {geo.ck})")
-    return reasons
-
-
-def _configs(p: ConvProblem, cols: int, ck: int) -> list[LaunchConfig]:
-    """Tiles, the heuristic's pick first. PERSISTENT: one program per SM walks the tiles with the
-    tile and K loops flattened, so the next tile's loads overlap this tile's epilogue: on an H100
-    (bf16, N=64) that took 1x1 convolutions with one or four K steps from 128-150 us to 56-61 us,
-    while masked (3x3) problems ran best as one program per tile."""
-    if INTERPRET:
-        shapes = [(32, 16, 16, 4, 1)]
-    elif p.dtype == "float32":
-        shapes = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)]
-    else:
-        # 128x256 and 256x128 tiles computed wrong sums on an H100 (Triton 3.6): not listed.
-        shapes = [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (256, 64, 64, 8, 3), (128, 64, 64, 4, 4)]
-    if cols <= 64:
-        shapes.sort(key=lambda s: s[1] != 64)
-    if p.groups > 1:  # a K step must stay inside the group's channels
-        shapes = [(bm, bn, math.gcd(bk, ck), w, s) for bm, bn, bk, w, s in shapes]
-    tiles = [
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": s}
-        for bm, bn, bk, w, s in shapes
-    ]
-    plain = [{**c, "PERSISTENT": False} for c in tiles]
-    persistent = [{**c, "PERSISTENT": True} for c in tiles[:2]]
-    return plain + persistent if _Geometry(p).masked else persistent + plain
-
-
-def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -> Callable[..., None]:
-    geo = _Geometry(p)
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    tiles = cdiv(geo.rows, bm) * cdiv(geo.cols, bn)
-    programs = min(tiles, sm_count()) if config["PERSISTENT"] else tiles
-    ints = (
-        geo.rows,
-        geo.cols,
-        geo.ck,
-        geo.src_channels,
-        geo.s_row,
-        geo.w_rows,
-        geo.k,
-        geo.w_row,
-        *geo.src_size,
-        *geo.out_size,
-        *p.kernel,
-        *geo.offsets,
-        *p.dilation,
-        *geo.out_strides[:1],
-        geo.out_strides[1],
-        *geo.out_strides[2:],
-        1,
-        row_limit(p),
-        programs,
-    )
-    acc, precision, upcast = dot_constexprs(p)
-    launch = launcher(
-        _shifted_kernel,
-        (programs, p.groups),
-        num_tensors=7,
-        ints=ints,
-        constexprs=(
-            *epilogue_constexprs(p),
-            acc,
-            precision,
-            upcast,
-            geo.masked,
-            bm,
-            bn,
-            bk,
-            config["GROUP_M"],
-            config["PERSISTENT"],
-        ),
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
-    pack = _pack_weights(p, geo)
-
-    def run(src: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *rest: Any) -> None:
-        wm = pack(w)
-        # Descriptors need 16-byte-aligned base addresses, which only the call knows.
-        if (src.data_ptr() | wm.data_ptr()) & 15:
-            fallback(src, w, out, *rest)
-            return
-        ensure_allocator()
-        launch(src, wm, out, *rest)
-
-    return run
-
-
-def _cost(p: ConvProblem, config: LaunchConfig) -> float:
-    geo = _Geometry(p)
-    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
-    col_eff = geo.cols / (cdiv(geo.cols, bn) * bn)
-    k_eff = geo.ck / (cdiv(geo.ck, bk) * bk)
-    # The source grid's rows that fall outside the output are computed and dropped.
-    grid_eff = math.prod(geo.out_size) / math.prod(geo.src_size)
-    # Masked A tiles pass through registers: on an H100 (bf16 3x3, N=64, 64 to 512 channels)
-    # that ran 10-40% slower than the gathered implicit GEMM, so the heuristic leaves those to it.
-    compute, bandwidth = (0.45, 0.5) if geo.masked else (0.85, 0.75)
-    return roofline(p.flops, p.bytes, peak(p), compute * col_eff * k_eff * grid_eff, bandwidth) + 4.0
-
-
-@FAMILY.register
-class ShiftedGemmEngine(Engine[ConvProblem]):
-    """Stride-1 convolutions of channels-last tensors (Hopper): each tap's A tile is a block of
-    pixel rows loaded by tensor descriptor, masked at image edges; weights by descriptor too."""
-
-    name = "shifted_gemm"
-
-    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
-        return shifted_reasons(problem)
-
-    def cost(self, problem: ConvProblem) -> float:
-        return _cost(problem, self.configs(problem)[0])
-
-    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        return _configs(problem, problem.cout_g, problem.cin_g)
-
-    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        fallback = ImplicitGemmEngine()
-        return _bind(problem, config, fallback.bind(problem, fallback.configs(problem)[0]))
-
-
-@DGRAD_FAMILY.register
-class ShiftedGemmDgradEngine(Engine[ConvProblem]):
-    """Data gradient of a stride-1 convolution (channels-last): the shifted GEMM of the output
-    gradient with the transposed, flipped weights."""
-
-    name = "shifted_gemm"
-
-    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
-        return shifted_reasons(problem)
-
-    def cost(self, problem: ConvProblem) -> float:
-        return _cost(problem, self.configs(problem)[0]) + 3.0  # the weight pack
-
-    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        return _configs(problem, problem.cin_g, problem.cout_g)
-
-    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        fallback = ImplicitGemmDgradEngine()
-        return _bind(problem, config, fallback.bind(problem, fallback.configs(problem)[0]))
-
-
-def wgrad_reasons(p: ConvProblem) -> list[str]:
-    reasons = _common_reasons(p)
     if p.out_size != p.in_size:
         reasons.append(f"needs the output grid to equal the input's ({p.out_size} vs {p.in_size})")
     size = itemsize(p.dtype)

@@ -251,7 +251,7 @@ class SourceView:
         self.on_view = all(
             o % s == 0 and (k == 1 or d % s == 0) for o, s, k, d in zip(offsets, stride, kernel, dilation)
         )
-        self.size = tuple(cdiv(n, s) for n, s in zip(size, stride))
+        self.size = tuple(cdiv(count, s) for count, s in zip(size, stride))
         self.offsets = tuple(o // s for o, s in zip(offsets, stride))
         self.dilation = tuple(d // s if k > 1 else 0 for d, s, k in zip(dilation, stride, kernel))
         # A dimension of one position gets the step of the dimensions inside it: the descriptor

@@ -69,6 +69,25 @@ def multiprocessor_count(device: int = 0) -> int:
     return _SM_COUNT[device]
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (a nominal 4 under the interpreter)."""
+    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
+
+
+def hopper() -> bool:
+    """Whether the current GPU has Hopper's tensor descriptors (TMA) and warp-group MMAs (compute
+    capability 9.0 or newer); False under the interpreter."""
+    if INTERPRET:
+        return False
+    device = torch.cuda.current_device()
+    if device not in _HOPPER:
+        _HOPPER[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _HOPPER[device]
+
+
+_HOPPER: dict[int, bool] = {}
+
+
 def device_name() -> str:
     """A human-readable name of the device kernels run on, used to key the autotune cache."""
     if INTERPRET:

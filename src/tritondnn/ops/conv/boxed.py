@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET
+from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
@@ -44,7 +44,6 @@ from .engines import (
     peak,
     roofline,
     row_limit,
-    sm_count,
 )
 from .problem import ConvProblem, Strides5, Triple, itemsize
 
@@ -144,16 +143,12 @@ def _boxed_kernel(
         tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=ok[:, None] & (cols < NCOLS)[None, :])
 
 
-def _hopper() -> bool:
-    return torch.cuda.get_device_capability() >= (9, 0)
-
-
 def descriptor_reasons(p: ConvProblem) -> list[str]:
     """What every tensor-descriptor kernel needs: tensor-core dtypes, Hopper, 32-bit offsets."""
     reasons = []
     if p.dtype not in ("float16", "bfloat16") and not p.tf32:
         reasons.append(f"needs fp16, bf16 or fp32 with TF32 tensor-core products (got {p.dtype})")
-    if not INTERPRET and not _hopper():
+    if not INTERPRET and not hopper():
         reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
     if p.index_64:
         reasons.append("offsets past 2**31 (descriptor coordinates are 32-bit)")
@@ -303,11 +298,10 @@ def pixel_box(out_size: tuple[int, int, int], pixels: int) -> tuple[int, int, in
     exps = int(math.log2(pixels))
     for ew in range(exps + 1):
         for eh in range(exps + 1 - ew):
-            bd, bh, bw = 1 << (exps - ew - eh), 1 << eh, 1 << ew
-            used = math.prod(o / (cdiv(o, b) * b) for o, b in zip(out_size, (bd, bh, bw)))
-            key = (used, bw)
+            box = (1 << (exps - ew - eh), 1 << eh, 1 << ew)
+            key = (box_use(out_size, box), box[2])
             if best is None or key > best[:2]:
-                best = (used, bw, (bd, bh, bw))
+                best = (*key, box)
     assert best is not None
     return best[2]
 
@@ -467,7 +461,9 @@ class BoxedGemmDgradEngine(Engine[ConvProblem]):
         return boxed_reasons(problem)
 
     def cost(self, problem: ConvProblem) -> float:
-        return _cost(problem) + (0.0 if _Geometry(problem).w_inplace else 3.0)  # the weight pack
+        # Packing the flipped transpose per call. (Forward costs leave out their packs: this
+        # engine's and the gathered engine's repack of contiguous weights cost about the same.)
+        return _cost(problem) + (0.0 if _Geometry(problem).w_inplace else 3.0)
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return _configs(problem)

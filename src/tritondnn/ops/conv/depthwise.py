@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET
+from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
@@ -30,7 +30,6 @@ from .engines import (
     epilogue_constexprs,
     forward_geometry,
     roofline,
-    sm_count,
 )
 from .problem import ConvProblem
 

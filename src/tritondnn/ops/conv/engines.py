@@ -15,7 +15,6 @@ FFT) live in their own modules and register into these families.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 import triton.language as tl
 
-from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, Family, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from .kernels import _igemm_kernel, _sum_kernel, _wgrad_kernel
@@ -59,11 +58,6 @@ WGRAD_FAMILY: Family[ConvProblem] = Family("conv_wgrad", _describe_wgrad)
 _PEAK = {"float16": 600.0, "bfloat16": 600.0, "float32": 45.0, "float64": 45.0}  # TFLOP/s, dense
 _TF32_PEAK = 300.0
 _BANDWIDTH = 3.0  # TB/s
-
-
-@functools.cache
-def sm_count() -> int:
-    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
 
 
 def peak(p: ConvProblem) -> float:

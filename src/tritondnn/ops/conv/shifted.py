@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET
+from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
@@ -35,7 +35,6 @@ from .engines import (
     dot_constexprs,
     peak,
     roofline,
-    sm_count,
 )
 from .kernels import _sum_kernel
 from .problem import ConvProblem, itemsize

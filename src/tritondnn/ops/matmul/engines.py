@@ -12,7 +12,6 @@ makes them skinny-M problems: a matrix-vector product becomes a GEMV over the ma
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import warnings
@@ -21,7 +20,7 @@ from collections.abc import Callable
 import torch
 import triton.language as tl
 
-from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, ensure_allocator, launcher
@@ -236,17 +235,6 @@ FAMILY: Family[MatmulProblem] = Family("matmul", _describe)
 # alpha, beta, p0, p1)`` (absent tensors replaced by ``out``), launching on the problem's layout.
 
 
-@functools.cache
-def sm_count() -> int:
-    """Streaming multiprocessors of the current GPU (a nominal 4 under the interpreter)."""
-    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
-
-
-@functools.cache
-def _hopper() -> bool:
-    return not INTERPRET and torch.cuda.get_device_capability() >= (9, 0)
-
-
 # Dense rates in TFLOP/s a good kernel reaches on H100 (fp32 without TF32 runs on the CUDA cores),
 # and memory bandwidth in TB/s: the cost model's units are microseconds.
 _PEAK = {
@@ -370,7 +358,7 @@ class TiledEngine(Engine[MatmulProblem]):
         c = self.configs(problem)[0]
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
-        slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and _hopper() else 1.0
+        slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
         compute = 0.8 * _wave_util(programs) * slow_tf32
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
@@ -427,7 +415,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         if INTERPRET:
             return ["needs a Hopper GPU (tensor descriptors); the interpreter runs the tiled kernels"]
         reasons = []
-        if not _hopper():
+        if not hopper():
             reasons.append("needs compute capability 9.0 or newer for tensor descriptors (TMA)")
         if p.batch != 1:
             reasons.append(f"one matrix only; this problem has a batch of {p.batch}")

@@ -13,9 +13,10 @@ from collections.abc import Callable
 import torch
 import triton.language as tl
 
+from ...core.backend import sm_count
 from ...core.config import config
 from ...core.launcher import cdiv, launcher
-from .engines import FAMILY, layout, preactivation_dtype, sm_count
+from .engines import FAMILY, layout, preactivation_dtype
 from .kernels import _grad_epilogue_kernel, _reduce_kernel
 
 _plans: dict[tuple, Callable[..., tuple]] = {}

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.backend import INTERPRET, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
@@ -151,10 +151,6 @@ def _describe(
 FAMILY: Family[RNNProblem] = Family("rnn", _describe)
 
 
-def _sm_count() -> int:
-    return multiprocessor_count(0 if INTERPRET else torch.cuda.current_device())
-
-
 def _block_b(p: RNNProblem, cap: int) -> int:
     return 16 if INTERPRET else min(cap, _pad(p.batch))
 
@@ -220,7 +216,7 @@ class PersistentEngine(Engine[RNNProblem]):
 
     def cost(self, p: RNNProblem) -> float:
         block_b = _block_b(p, 64)
-        waves = cdiv(cdiv(p.batch, block_b) * p.directions, _sm_count())
+        waves = cdiv(cdiv(p.batch, block_b) * p.directions, sm_count())
         flops = 2 * block_b * p.weight_elements()
         return p.steps * waves * (flops / p.rate() + _STEP_US)
 
@@ -262,7 +258,7 @@ class PersistentTiledEngine(Engine[RNNProblem]):
 
     def cost(self, p: RNNProblem) -> float:
         block_b = _block_b(p, 32)
-        waves = cdiv(cdiv(p.batch, block_b) * p.directions, _sm_count())
+        waves = cdiv(cdiv(p.batch, block_b) * p.directions, sm_count())
         weights = p.weight_elements() * p.elem
         rate = _L1_BYTES_PER_SM_US if weights <= _L1_BYTES else _L2_BYTES_PER_SM_US
         flops = 2 * block_b * p.weight_elements()
@@ -325,7 +321,7 @@ class PerStepEngine(Engine[RNNProblem]):
         nbytes = (bh * p.gates + bb) * p.state * p.elem
         work = max(flops / p.rate(), nbytes / _L2_BYTES_PER_SM_US) + _STEP_US / 2
         launches = 2 if p.backward or p.proj else 1
-        return launches * (_LAUNCH_US + cdiv(programs, _sm_count()) * work)
+        return launches * (_LAUNCH_US + cdiv(programs, sm_count()) * work)
 
     def cost(self, p: RNNProblem) -> float:
         return p.steps * self._step_us(p, self.configs(p)[0])

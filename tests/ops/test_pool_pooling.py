@@ -119,6 +119,12 @@ def test_sliced_input_is_read_in_place(poison):
     x = big[:, 1:, :, ::2]  # strided in W and C
     _check("max_pool2d", x, 3, 2, 1, what="sliced")
     _check("avg_pool2d", x, 2, 1, what="sliced")
+    x = big[:, 1:, :, 3:14]  # rows of 11 of 22: positions not evenly strided
+    _check("adaptive_max_pool2d", x, 1, what="sliced global")
+    _check("adaptive_avg_pool2d", x, 1, what="sliced global")
+    y = x[:, :, :1, :1]
+    assert not pooling._problem(False, True, True, 0, True, False, x.dtype, x, y, y, (1, 1), (12, 11),
+                                (1, 1), (0, 0), (1, 1)).flat  # fmt: skip
 
 
 def test_output_gradient_of_any_layout():
@@ -139,16 +145,18 @@ def test_output_gradient_of_any_layout():
     assert dx.is_contiguous()
 
 
-@pytest.mark.parametrize("engine", ["unrolled", "direct", "window-reduce"])
+@pytest.mark.parametrize("engine", ["plane", "unrolled", "direct", "window-reduce"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_engine_matches_pytorch_bit_for_bit(engine, layout, monkeypatch):
     """NaN (the last NaN's index wins), -inf windows, ties (the first maximum wins), in each engine;
-    window-reduce runs forward only, so "direct" runs its backward."""
-    names = [engine, "direct"] if engine == "window-reduce" else [engine]
+    window-reduce runs forward only, so "direct" runs its backward; plane declines adaptive
+    windows of varying size, which "unrolled" then runs."""
+    names = {"window-reduce": [engine, "direct"], "plane": [engine, "unrolled"]}.get(engine, [engine])
     monkeypatch.setattr(pooling.FAMILY, "engines", [e for e in pooling.FAMILY.engines if e.name in names])
     monkeypatch.setattr(pooling.FAMILY, "_plans", {})
     monkeypatch.setattr(pooling.FAMILY, "_chosen", {})
     monkeypatch.setattr(pooling.WindowReduceEngine, "cost", lambda self, p: 0.0)
+    monkeypatch.setattr(pooling.PlaneEngine, "cost", lambda self, p: 0.0)
     x = randn(2, 3, 6, 7)
     x[0, 1, 2, 3] = x[1, 2, 4, 4] = x[1, 2, 4, 5] = float("nan")
     x[0, 0, :4, :4] = float("-inf")
@@ -156,6 +164,7 @@ def test_every_engine_matches_pytorch_bit_for_bit(engine, layout, monkeypatch):
     x = LAYOUTS[layout](x)
     for name, args in (
         ("max_pool2d", (3, 2, 1, 1, False, True)),
+        ("max_pool2d", (3, 2, 1)),  # the value alone: no indices tracked
         ("max_pool2d", (3, 1, 1, 2, True, True)),
         ("adaptive_max_pool2d", ((3, 4), True)),
         ("avg_pool2d", (3, 2, 1, True, False)),
@@ -168,22 +177,58 @@ def test_every_engine_matches_pytorch_bit_for_bit(engine, layout, monkeypatch):
             assert torch.equal(got[1].cpu(), want[1]), f"{engine} {name} indices"
             got, want = got[0], want[0]
         assert torch.allclose(got.cpu(), want, rtol=1e-6, atol=1e-6, equal_nan=True), f"{engine} {name}"
+    half = x.to(torch.bfloat16)  # bf16 maxima may be taken two lanes at a time
+    got, want = pool.max_pool2d(half, 3, 2, 1), F.max_pool2d(half.cpu().float(), 3, 2, 1)
+    assert torch.allclose(got.cpu().float(), want, rtol=0, atol=0, equal_nan=True), f"{engine} bf16"
     clean = LAYOUTS[layout](randn(2, 3, 6, 7))
     _check("max_pool2d", clean, 3, 2, 1, what=engine)
     _check("adaptive_avg_pool2d", clean, 2, what=engine)
     assert {choice.engine.name for choice in pooling.FAMILY._chosen.values()} == set(names)
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_window_reduce_splits_few_windows(layout):
+    """Global pooling: several programs share each window, their partial results merge in tap
+    order (ties keep the first maximum; the last NaN wins, here across programs)."""
+    x = randn(2, 3, 40, 41)
+    x[0, 1, 5, 6] = x[0, 1, 30, 2] = float("nan")
+    x[1, 2] = x[1, 2].round()  # ties, in every program of the window
+    x = LAYOUTS[layout](x)
+    problem = pooling._problem(False, True, True, 2, True, False, x.dtype, x, x[:, :, :1, :1],
+                               x[:, :, :1, :1], (1, 1), (40, 41), (1, 1), (0, 0), (1, 1))  # fmt: skip
+    config = pooling.WindowReduceEngine().configs(problem)[0]
+    assert pooling.math.ceil(problem.taps / config["CHUNK"]) > 1
+    for name, args in (("adaptive_max_pool2d", (1, True)), ("adaptive_max_pool2d", (1,)),
+                       ("adaptive_avg_pool2d", (1,))):  # fmt: skip
+        got, want = getattr(pool, name)(x, *args), getattr(F, name)(x.cpu(), *args)
+        if isinstance(got, tuple):
+            assert torch.equal(got[1].cpu(), want[1]), name
+            got, want = got[0], want[0]
+        assert torch.allclose(got.cpu(), want, rtol=1e-5, atol=1e-6, equal_nan=True), name
+    clean = LAYOUTS[layout](randn(2, 3, 40, 41))
+    _check("adaptive_max_pool2d", clean, 1)
+    _check("adaptive_avg_pool2d", clean, 1)
+    ours = [c for (p, _), c in pooling.FAMILY._chosen.items() if not p.backward and p.in_size == (1, 40, 41)]
+    assert {c.engine.name for c in ours} == {"window-reduce"}
+
+
 def test_engine_reasons_and_choice():
-    small = {r.name: r for r in pooling.FAMILY.report(pooling.FAMILY.describe(randn(2, 3, 8, 8), 3, 2))}
-    assert small["unrolled"].chosen and small["direct"].supported
+    image = randn(2, 3, 24, 24)
+    contiguous = {r.name: r for r in pooling.FAMILY.report(pooling.FAMILY.describe(image, 3, 2))}
+    assert contiguous["plane"].chosen and contiguous["direct"].supported
+    grow = {r.name: r for r in pooling.FAMILY.report(pooling._problem(
+        True, False, True, 0, True, False, image.dtype, image, randn(2, 3, 37, 30), randn(2, 3, 37, 30),
+        (37, 30), (1, 1), (1, 1), (0, 0), (1, 1)))}  # fmt: skip
+    assert not grow["plane"].supported and "adaptive" in grow["plane"].reasons[0] and grow["unrolled"].chosen
+    cl = image.to(memory_format=torch.channels_last)
+    assert {r.name: r for r in pooling.FAMILY.report(pooling.FAMILY.describe(cl, 3, 2))}["unrolled"].chosen
     big = {r.name: r for r in pooling.FAMILY.report(pooling.FAMILY.describe(randn(1, 2, 20, 20), 9, 9))}
     assert not big["unrolled"].supported and "81 taps" in big["unrolled"].reasons[0]
     assert big["window-reduce"].chosen
     backward = pooling.FAMILY.describe(randn(1, 2, 20, 20), 2, 1, backward=True)
     reports = {r.name: r for r in pooling.FAMILY.report(backward)}
     assert not reports["window-reduce"].supported and "forward" in reports["window-reduce"].reasons[0]
-    assert reports["unrolled"].chosen
+    assert reports["plane"].chosen
 
 
 def test_large_window_indices_and_gradients(poison):

@@ -55,6 +55,22 @@ def test_bilinear(resize, align_corners, layout, poison):
     _check("interpolate", x, f"{resize} align_corners={align_corners}", **kwargs)
 
 
+@pytest.mark.parametrize("engine", ["direct", "plane"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_engine(engine, layout, monkeypatch):
+    """Each engine forward and backward, whatever the heuristic prefers for the layout; up to 64
+    outputs reading one input unroll in the backward, more loop (10 x 10 here)."""
+    monkeypatch.setattr(resample.FAMILY, "engines", [e for e in resample.FAMILY.engines if e.name == engine])
+    monkeypatch.setattr(resample.FAMILY, "_plans", {})
+    monkeypatch.setattr(resample.FAMILY, "_chosen", {})
+    x = LAYOUTS[layout](randn(2, 3, 5, 6))
+    _check("interpolate", x, f"{engine} nearest x2", scale_factor=2)
+    _check("interpolate", x, f"{engine} bilinear", size=(7, 13), mode="bilinear")
+    _check("interpolate", x, f"{engine} nearest runs of 10 x 10", size=(50, 60))
+    _check("interpolate", randn(2, 3, 4, 5, 3), f"{engine} trilinear", size=(6, 4, 7), mode="trilinear")
+    assert {c.engine.name for c in resample.FAMILY._chosen.values()} == {engine}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
 def test_low_precision(mode, dtype, poison):

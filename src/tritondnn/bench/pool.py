@@ -1,6 +1,7 @@
 """Pooling and resampling benchmarks, bf16, NCHW and NHWC (channels_last), forward and
 forward+backward: max and average pooling 3x3 stride 2 (ResNet's stem) and global average
-pooling on 64x256x112x112, LRN (size 5), nearest and bilinear x2 upsampling of 64x256x56x56.
+pooling on 64x256x112x112, LRN (size 5), nearest and bilinear x2 upsampling of 64x256x56x56;
+then fp32 NCHW max and average pooling 3x3 stride 2 (PyTorch's fastest pooling layout).
 
 Bytes are the minimum: forward reads x and writes y; forward+backward adds reading dy and
 writing dx (max-pool indices aside: PyTorch saves 8 bytes per output, tritondnn 1).
@@ -93,3 +94,10 @@ def cases(quick: bool) -> Iterator[Case]:
                 partial(F.interpolate, scale_factor=2, mode=mode),
                 s,
             )
+    x = x.float()
+    for kind, ours, ref in (
+        ("max_pool2d", pool.max_pool2d, F.max_pool2d),
+        ("avg_pool2d", pool.avg_pool2d, F.avg_pool2d),
+    ):
+        window = {"kernel_size": 3, "stride": 2, "padding": 1}
+        yield from _pair(f"{kind} 3x3/2 {name} fp32 NCHW", partial(ours, **window), partial(ref, **window), x)

@@ -5,10 +5,13 @@ Engines (cuDNN's pooling algorithms, chosen per problem by ``Family.select``):
 * ``unrolled``: direct kernels with the window size (forward) or the candidate-window count
   (backward) compiled in, for windows of at most ``MAX_UNROLLED`` taps or candidates; with
   non-overlapping windows the backward is a one-to-one gather.
+* ``plane``: the unrolled kernels over [rows x columns] tiles of one plane, for tensors with
+  contiguous rows (NCHW): geometry per row and column instead of per lane.
 * ``direct``: the same kernels with those counts as runtime ints: any geometry, one compiled
   kernel for all.
 * ``window-reduce``: forward only; a program reduces one window of many taps for a block of
-  channels (global pooling, adaptive pooling to small sizes, large kernels).
+  channels (global pooling, adaptive pooling to small sizes, large kernels); when the outputs
+  are few, several programs share a window and a second kernel merges their partial results.
 
 All are deterministic: backward passes gather per input element in a fixed order.
 """
@@ -45,6 +48,10 @@ from .common import (
 MAX_UNROLLED = 64
 # Windows with at least this many taps are reduced by one program each (when outputs are few).
 WINDOW_REDUCE_TAPS = 32
+# Window reductions split a window over several programs until about this many run.
+REDUCE_PROGRAMS = 2048
+# Planes of fewer positions leave most of a [rows x columns] tile idle.
+PLANE_POSITIONS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,19 @@ class PoolProblem(Problem):
     @property
     def taps(self) -> int:
         return math.prod(self.kernel)
+
+    @property
+    def clamp(self) -> bool:
+        """Whether padding taps may read the nearest input (see ``kernels._window``)."""
+        return self.is_max and self.index == INDEX_NONE and not self.adaptive and max(self.dilation) == 1
+
+    @property
+    def flat(self) -> bool:
+        """Whether every window is the whole input (global pooling) and the input's positions are
+        evenly strided, so tap s of a window lies s * (w stride) after its first."""
+        (d, h, w), (_, _, sd, sh, sw) = self.in_size, self.strides[0]
+        packed = (d == 1 or sd == h * sh) and (h == 1 or sh == w * sw)
+        return not self.backward and self.adaptive and self.out_size == (1, 1, 1) and packed
 
     @property
     def positions(self) -> int:
@@ -138,6 +158,17 @@ def _problem(
     )  # fmt: skip
 
 
+def _unroll_reasons(problem: PoolProblem) -> list[str]:
+    """Why the kernels with unrolled tap (forward) or candidate (backward) loops cannot run it."""
+    if problem.backward:
+        count = math.prod(problem.candidates)
+        if count > MAX_UNROLLED:
+            return [f"an input lies in up to {count} windows; unrolls at most {MAX_UNROLLED}"]
+    elif problem.taps > MAX_UNROLLED:
+        return [f"a window of {problem.taps} taps; unrolls at most {MAX_UNROLLED}"]
+    return []
+
+
 class _DirectEngine(Engine[PoolProblem]):
     """Tiles of positions x channels: wide in channels for channels_last, long in positions else."""
 
@@ -191,16 +222,80 @@ class UnrolledEngine(_DirectEngine):
     unrolled = True
 
     def not_supported_reasons(self, problem: PoolProblem) -> list[str]:
-        if problem.backward:
-            count = math.prod(problem.candidates)
-            if count > MAX_UNROLLED:
-                return [f"an input lies in up to {count} windows; unrolls at most {MAX_UNROLLED}"]
-        elif problem.taps > MAX_UNROLLED:
-            return [f"a window of {problem.taps} taps; unrolls at most {MAX_UNROLLED}"]
-        return []
+        return _unroll_reasons(problem)
 
     def cost(self, problem: PoolProblem) -> float:
         return 1.0
+
+
+@FAMILY.register
+class PlaneEngine(Engine[PoolProblem]):
+    """Unrolled kernels over [rows x columns] tiles of one (n, c, d) plane, for contiguous rows;
+    the geometry is compiled in (a kernel per pooling layer's shape)."""
+
+    name = "plane"
+
+    def not_supported_reasons(self, problem: PoolProblem) -> list[str]:
+        reasons = _unroll_reasons(problem)
+        if problem.adaptive and any(i % o for i, o in zip(problem.in_size, problem.out_size)):
+            # Compiled on an H100 with the geometry as constants, the backward of such windows
+            # (11x9 to 17x15) lost later candidates' shares in some lanes; with runtime sizes the
+            # same code is right, so these problems go to the tile engines.
+            reasons.append("adaptive windows that vary in size or overlap (geometry not compiled in)")
+        return reasons
+
+    @staticmethod
+    def _plane(problem: PoolProblem) -> tuple[int, int, int]:
+        """The (D, H, W) sizes a program tiles: outputs forward, inputs backward."""
+        return problem.in_size if problem.backward else problem.out_size
+
+    def cost(self, problem: PoolProblem) -> float:
+        # Channels_last rows are strided by C: every lane would read its own sector.
+        if problem.channels_last:
+            return 4.0
+        _, h, w = self._plane(problem)
+        return 0.8 if h * w >= PLANE_POSITIONS else 1.5
+
+    def configs(self, problem: PoolProblem) -> list[LaunchConfig]:
+        _, h, w = self._plane(problem)
+        block_w = min(triton.next_power_of_2(w), 128)
+        out = []
+        # Measured on an H100 (3x3 stride 2 and global windows): small tiles where a lane issues
+        # many loads (taps forward; candidates backward, two loads each for max pooling), large
+        # tiles where it issues a few; 4 warps.
+        if problem.backward:
+            loads = math.prod(problem.candidates) * (2 if problem.is_max else 1)
+        else:
+            loads = problem.taps
+        for tile in (2048, 1024, 512) if loads <= 4 else (512, 1024, 2048):
+            block_h = max(1, min(triton.next_power_of_2(h), tile // block_w))
+            for warps in (4, 8):
+                config = {"BLOCK_H": block_h, "BLOCK_W": block_w, "num_warps": warps}
+                if config not in out:
+                    out.append(config)
+        return out
+
+    def bind(self, problem: PoolProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        block_h, block_w = config["BLOCK_H"], config["BLOCK_W"]
+        d, h, w = self._plane(p)
+        grid = (p.n * p.channels * d * cdiv(h, block_h) * cdiv(w, block_w),)
+        geometry = (p.channels, *p.in_size, *p.out_size, *p.stride, *p.padding, *p.dilation)
+        strides = tuple(s for t in p.strides for s in t)
+        counts = (*p.kernel, *p.candidates) if p.backward else p.kernel
+        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc)
+        if p.backward:
+            fn, tail = K.plane_backward_kernel, (p.index_64,)
+        else:
+            fn, tail = K.plane_forward_kernel, (p.index_64, p.clamp)
+        return launcher(
+            fn,
+            grid,
+            3,
+            (p.channels, *strides),
+            (*geometry[1:], *counts, *flags, *tail, block_h, block_w),
+            num_warps=config["num_warps"],
+        )
 
 
 @FAMILY.register
@@ -239,27 +334,40 @@ class WindowReduceEngine(Engine[PoolProblem]):
             else:
                 block_s = min(taps, tile)
                 block_c = max(1, min(c, tile // block_s))
+            programs = problem.n * problem.positions * cdiv(problem.channels, block_c)
+            split = min(cdiv(REDUCE_PROGRAMS, programs), cdiv(problem.taps, block_s))
+            chunk = cdiv(cdiv(problem.taps, split), block_s) * block_s
             for warps in (4, 8):
-                config = {"BLOCK_S": block_s, "BLOCK_C": block_c, "num_warps": warps}
+                config = {"BLOCK_S": block_s, "BLOCK_C": block_c, "CHUNK": chunk, "num_warps": warps}
                 if config not in out:
                     out.append(config)
         return out
 
     def bind(self, problem: PoolProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        block_s, block_c = config["BLOCK_S"], config["BLOCK_C"]
-        grid = (p.n * p.positions * cdiv(p.channels, block_c),)
+        block_s, block_c, chunk = config["BLOCK_S"], config["BLOCK_C"], config["CHUNK"]
+        split = cdiv(p.taps, chunk)
+        positions = p.n * p.positions
+        grid = (positions * cdiv(p.channels, block_c), split)
         geometry = (p.channels, *p.in_size, *p.out_size, *p.stride, *p.padding, *p.dilation)
         strides = tuple(s for t in p.strides for s in t)
-        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc)
-        return launcher(
-            K.window_reduce_kernel,
-            grid,
-            3,
-            (*geometry, *strides, *p.kernel),
-            (*flags, p.index_64, block_s, block_c),
-            num_warps=config["num_warps"],
-        )
+        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc, p.index_64)
+        ints, tail = (*geometry, *strides, *p.kernel, chunk, split), (p.flat, block_s, block_c)
+        warps = config["num_warps"]
+        if split == 1:
+            reduce = launcher(K.window_reduce_kernel, grid, 5, ints, (*flags, False, *tail), num_warps=warps)
+            return lambda x, y, idx, divisor: reduce(x, y, idx, x, x, divisor)
+        reduce = launcher(K.window_reduce_kernel, grid, 5, ints, (*flags, True, *tail), num_warps=warps)
+        merge = launcher(K.window_merge_kernel, grid[:1], 5, ints, (*flags, True, *tail), num_warps=warps)
+        acc = torch.float64 if p.acc == tl.float64 else torch.float32
+
+        def run(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, divisor: float) -> None:
+            part = torch.empty((split, positions, p.channels), device=x.device, dtype=acc)
+            part_idx = torch.empty(part.shape, device=x.device, dtype=torch.int32) if p.is_max else part
+            reduce(x, y, idx, part, part_idx, divisor)
+            merge(x, y, idx, part, part_idx, divisor)
+
+        return run
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,13 +46,16 @@ from .common import (
     sizes3,
     strides5,
 )
-from .kernels import split, tile
+from .kernels import plane_tile, split, tile
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Tables: ``itab`` (int32) holds i0 for the D, H and W outputs, then i1 likewise, then
 # first[i] for the D, H and W inputs; ``wtab`` (ACC) holds w1 for the D, H and W outputs.
 # LIN_D/H/W: interpolate along that dimension (else i0 alone, weight 1). ND, NH, NW: the
-# longest run of outputs reading one input. Other arguments as in ``kernels``.
+# longest run of outputs reading one input (constexprs: few distinct values). Tiles are
+# [positions x channels] (``kernels.tile``) or [rows x columns] of one plane
+# (``kernels.plane_tile``, for contiguous rows: table reads per row and per column, not per
+# lane). Other arguments as in ``kernels``.
 
 
 @triton.jit
@@ -73,33 +76,54 @@ def _plane(at, h0, h1, wh1, w0, w1, ww1, xs_h, xs_w, mask,
 
 
 @triton.jit
+def _sample(
+    x_at, od, oh, ow, ok_d, ok_h, ok_w, mask, itab_ptr, wtab_ptr, OD, OH, OW, xs_d, xs_h, xs_w,
+    LIN_D: tl.constexpr, LIN_H: tl.constexpr, LIN_W: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The outputs (od, oh, ow) (broadcastable; ok_* mask each coordinate's table reads); weights
+    combine as PyTorch's (along W, then H, then D)."""
+    T = OD + OH + OW
+    d0 = tl.load(itab_ptr + od, mask=ok_d, other=0)
+    h0 = tl.load(itab_ptr + OD + oh, mask=ok_h, other=0)
+    w0 = tl.load(itab_ptr + OD + OH + ow, mask=ok_w, other=0)
+    d1 = tl.load(itab_ptr + T + od, mask=ok_d, other=0)
+    h1 = tl.load(itab_ptr + T + OD + oh, mask=ok_h, other=0)
+    w1 = tl.load(itab_ptr + T + OD + OH + ow, mask=ok_w, other=0)
+    wd1 = tl.load(wtab_ptr + od, mask=ok_d, other=0.0)
+    wh1 = tl.load(wtab_ptr + OD + oh, mask=ok_h, other=0.0)
+    ww1 = tl.load(wtab_ptr + OD + OH + ow, mask=ok_w, other=0.0)
+    v = _plane(x_at + d0 * xs_d, h0, h1, wh1, w0, w1, ww1, xs_h, xs_w, mask, LIN_H, LIN_W, ACC)
+    if LIN_D:
+        v2 = _plane(x_at + d1 * xs_d, h0, h1, wh1, w0, w1, ww1, xs_h, xs_w, mask, LIN_H, LIN_W, ACC)
+        v = (1.0 - wd1) * v + wd1 * v2
+    return v
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr, y_ptr, itab_ptr, wtab_ptr,
     C, ID, IH, IW, OD, OH, OW,
     xs_n, xs_c, xs_d, xs_h, xs_w, ys_n, ys_c, ys_d, ys_h, ys_w,
     LIN_D: tl.constexpr, LIN_H: tl.constexpr, LIN_W: tl.constexpr,
-    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr, INDEX_64: tl.constexpr, PLANE: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """One output element per lane; weights combine as PyTorch's (along W, then H, then D)."""
-    P = OD * OH * OW
-    p, c, n, mask = tile(C, P, INDEX_64, BLOCK_P, BLOCK_C)
-    od, oh, ow = split(p, OH, OW)
-    ok = p < P
-    T = OD + OH + OW
-    d0 = tl.load(itab_ptr + od, mask=ok, other=0)
-    h0 = tl.load(itab_ptr + OD + oh, mask=ok, other=0)
-    w0 = tl.load(itab_ptr + OD + OH + ow, mask=ok, other=0)
-    d1 = tl.load(itab_ptr + T + od, mask=ok, other=0)
-    h1 = tl.load(itab_ptr + T + OD + oh, mask=ok, other=0)
-    w1 = tl.load(itab_ptr + T + OD + OH + ow, mask=ok, other=0)
-    wd1 = tl.load(wtab_ptr + od, mask=ok, other=0.0)
-    wh1 = tl.load(wtab_ptr + OD + oh, mask=ok, other=0.0)
-    ww1 = tl.load(wtab_ptr + OD + OH + ow, mask=ok, other=0.0)
-    at = x_ptr + n * xs_n + c * xs_c
-    v = _plane(at + d0 * xs_d, h0, h1, wh1, w0, w1, ww1, xs_h, xs_w, mask, LIN_H, LIN_W, ACC)
-    if LIN_D:
-        v2 = _plane(at + d1 * xs_d, h0, h1, wh1, w0, w1, ww1, xs_h, xs_w, mask, LIN_H, LIN_W, ACC)
-        v = (1.0 - wd1) * v + wd1 * v2
+    """One output element per lane; [BLOCK_A, BLOCK_B] tiles are [rows x columns] of a plane
+    when PLANE, else [positions x channels]."""
+    if PLANE:
+        n, c, od, oh, ow, mask = plane_tile(C, OD, OH, OW, INDEX_64, BLOCK_A, BLOCK_B)
+        ok_d, ok_h, ok_w = od < OD, oh < OH, ow < OW
+    else:
+        P = OD * OH * OW
+        p, c, n, mask = tile(C, P, INDEX_64, BLOCK_A, BLOCK_B)
+        od, oh, ow = split(p, OH, OW)
+        ok_d = p < P
+        ok_h = ok_d
+        ok_w = ok_d
+    v = _sample(
+        x_ptr + n * xs_n + c * xs_c, od, oh, ow, ok_d, ok_h, ok_w, mask, itab_ptr, wtab_ptr,
+        OD, OH, OW, xs_d, xs_h, xs_w, LIN_D, LIN_H, LIN_W, ACC,
+    )  # fmt: skip
     y_off = n * ys_n + c * ys_c + od * ys_d + oh * ys_h + ow * ys_w
     tl.store(y_ptr + y_off, convert(v, y_ptr.dtype.element_ty), mask=mask)
 
@@ -116,35 +140,59 @@ def _weight(i, o, out, itab_ptr, wtab_ptr, at_i0, at_i1, at_w):
 
 
 @triton.jit
+def _gather_output(
+    at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr, OD, OH, OW, NH, NW,
+    gs_d, gs_h, gs_w, ACC: tl.constexpr,
+):  # fmt: skip
+    """Add output t = (a * NH + b) * NW + e of each lane's run (from (fd, fh, fw)) times its weight."""
+    T = OD + OH + OW
+    a, b, e = split(t, NH, NW)
+    od = fd + a
+    oh = fh + b
+    ow = fw + e
+    wd, ok_d = _weight(i_d, od, OD, itab_ptr, wtab_ptr, 0, T, 0)
+    wh, ok_h = _weight(i_h, oh, OH, itab_ptr, wtab_ptr, OD, T + OD, OD)
+    ww, ok_w = _weight(i_w, ow, OW, itab_ptr, wtab_ptr, OD + OH, T + OD + OH, OD + OH)
+    ok = mask & ok_d & ok_h & ok_w
+    g = convert(tl.load(at + od * gs_d + oh * gs_h + ow * gs_w, mask=ok, other=0.0), ACC)
+    return total + tl.where(ok, g * (wd * wh * ww), 0.0)
+
+
+@triton.jit
 def _backward_kernel(
     dy_ptr, dx_ptr, itab_ptr, wtab_ptr,
-    C, ID, IH, IW, OD, OH, OW, ND, NH, NW,
+    C, ID, IH, IW, OD, OH, OW,
     xs_n, xs_c, xs_d, xs_h, xs_w, gs_n, gs_c, gs_d, gs_h, gs_w,
-    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ND: tl.constexpr, NH: tl.constexpr, NW: tl.constexpr, UNROLL: tl.constexpr,
+    ACC: tl.constexpr, INDEX_64: tl.constexpr, PLANE: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """One input element per lane: the sum of dy times its weight over the outputs reading it."""
-    P = ID * IH * IW
-    p, c, n, mask = tile(C, P, INDEX_64, BLOCK_P, BLOCK_C)
-    i_d, i_h, i_w = split(p, IH, IW)
-    T = OD + OH + OW
-    first = itab_ptr + 2 * T
-    fd = tl.load(first + i_d, mask=p < P, other=0)
-    fh = tl.load(first + ID + i_h, mask=p < P, other=0)
-    fw = tl.load(first + ID + IH + i_w, mask=p < P, other=0)
+    """One input element per lane: the sum of dy times its weight over the outputs reading it.
+    Tiles as in ``_forward_kernel``, over the input; UNROLL: the runs' outputs unroll."""
+    if PLANE:
+        n, c, i_d, i_h, i_w, mask = plane_tile(C, ID, IH, IW, INDEX_64, BLOCK_A, BLOCK_B)
+        in_d, in_h, in_w = i_d < ID, i_h < IH, i_w < IW
+    else:
+        P = ID * IH * IW
+        p, c, n, mask = tile(C, P, INDEX_64, BLOCK_A, BLOCK_B)
+        i_d, i_h, i_w = split(p, IH, IW)
+        in_d = p < P
+        in_h = in_d
+        in_w = in_d
+    first = itab_ptr + 2 * (OD + OH + OW)
+    fd = tl.load(first + i_d, mask=in_d, other=0)
+    fh = tl.load(first + ID + i_h, mask=in_h, other=0)
+    fw = tl.load(first + ID + IH + i_w, mask=in_w, other=0)
     at = dy_ptr + n * gs_n + c * gs_c
-    total = tl.zeros([BLOCK_P, BLOCK_C], ACC)
-    for a in range(ND):
-        od = fd + a
-        wd, ok_d = _weight(i_d, od, OD, itab_ptr, wtab_ptr, 0, T, 0)
-        for b in range(NH):
-            oh = fh + b
-            wh, ok_h = _weight(i_h, oh, OH, itab_ptr, wtab_ptr, OD, T + OD, OD)
-            for e in range(NW):
-                ow = fw + e
-                ww, ok_w = _weight(i_w, ow, OW, itab_ptr, wtab_ptr, OD + OH, T + OD + OH, OD + OH)
-                ok = mask & ok_d & ok_h & ok_w
-                g = convert(tl.load(at + od * gs_d + oh * gs_h + ow * gs_w, mask=ok, other=0.0), ACC)
-                total += tl.where(ok, g * (wd * wh * ww), 0.0)
+    total = tl.zeros(mask.shape, ACC)
+    if UNROLL:
+        for t in tl.static_range(ND * NH * NW):
+            total = _gather_output(at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr,
+                                   OD, OH, OW, NH, NW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
+    else:
+        for t in range(ND * NH * NW):
+            total = _gather_output(at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr,
+                                   OD, OH, OW, NH, NW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
     dx_off = n * xs_n + c * xs_c + i_d * xs_d + i_h * xs_h + i_w * xs_w
     tl.store(dx_ptr + dx_off, convert(total, dx_ptr.dtype.element_ty), mask=mask)
 
@@ -248,12 +296,19 @@ def _describe(input: torch.Tensor, size: Sequence[int], mode: str = "nearest",
 FAMILY: Family[ResampleProblem] = Family("resample", _describe)
 
 
+# The backward unrolls its loop over the outputs reading an input up to this many.
+MAX_UNROLLED_RUNS = 64
+# Planes of fewer positions leave most of a [rows x columns] tile idle.
+PLANE_POSITIONS = 64
+
+
 @FAMILY.register
 class DirectEngine(Engine[ResampleProblem]):
     """Gathers per output (forward) or per input (backward) from [positions x channels] tiles,
     through the per-dimension index and weight tables."""
 
     name = "direct"
+    plane = False
 
     def cost(self, problem: ResampleProblem) -> float:
         return 1.0
@@ -262,25 +317,29 @@ class DirectEngine(Engine[ResampleProblem]):
         c = triton.next_power_of_2(problem.channels)
         positions = triton.next_power_of_2(problem.positions)
         out = []
-        for tile_size in (1024, 2048, 512):
+        # Measured on an H100 (x2 scales, channels_last): large tiles forward.
+        for tile_size in (1024, 2048, 512) if problem.backward else (2048, 1024, 512):
             if problem.channels_last:
                 block_c = min(c, 64)
                 block_p = max(1, min(positions, tile_size // block_c))
             else:
                 block_p = min(positions, tile_size)
                 block_c = max(1, min(c, tile_size // block_p))
-            config = {"BLOCK_P": block_p, "BLOCK_C": block_c, "num_warps": 4}
+            config = {"BLOCK_A": block_p, "BLOCK_B": block_c, "num_warps": 4}
             if config not in out:
                 out.append(config)
         return out
 
+    def grid(self, problem: ResampleProblem, block_a: int, block_b: int) -> tuple[int]:
+        p = problem
+        return (p.n * cdiv(p.positions, block_a) * cdiv(p.channels, block_b),)
+
     def bind(self, problem: ResampleProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        block_p, block_c = config["BLOCK_P"], config["BLOCK_C"]
-        grid = (p.n * cdiv(p.positions, block_p) * cdiv(p.channels, block_c),)
+        grid = self.grid(p, config["BLOCK_A"], config["BLOCK_B"])
         sizes = (p.channels, *p.in_size, *p.out_size)
         strides = (*p.strides[0], *p.strides[1])
-        tail = (p.acc, p.index_64, block_p, block_c)
+        tail = (p.acc, p.index_64, self.plane, config["BLOCK_A"], config["BLOCK_B"])
         itab, wtab, runs = p.tables()
         wdtype = torch.float64 if p.dtype == "float64" else torch.float32
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -294,11 +353,49 @@ class DirectEngine(Engine[ResampleProblem]):
                 )
             return tables[device]
 
+        warps = config["num_warps"]
         if p.backward:
-            run = launcher(_backward_kernel, grid, 4, (*sizes, *runs, *strides), tail)
+            unroll = math.prod(runs) <= MAX_UNROLLED_RUNS
+            ints = (*sizes, *strides)
+            run = launcher(_backward_kernel, grid, 4, ints, (*runs, unroll, *tail), num_warps=warps)
             return lambda dy, dx: run(dy, dx, *on(dy.device))
-        run = launcher(_forward_kernel, grid, 4, (*sizes, *strides), (*p.linear, *tail))
+        run = launcher(_forward_kernel, grid, 4, (*sizes, *strides), (*p.linear, *tail), num_warps=warps)
         return lambda x, y: run(x, y, *on(x.device))
+
+
+@FAMILY.register
+class PlaneEngine(DirectEngine):
+    """The same gathers over [rows x columns] tiles of one (n, c, d) plane, for contiguous rows:
+    table reads per row and per column instead of per lane."""
+
+    name = "plane"
+    plane = True
+
+    def _plane(self, problem: ResampleProblem) -> tuple[int, int, int]:
+        return problem.in_size if problem.backward else problem.out_size
+
+    def cost(self, problem: ResampleProblem) -> float:
+        if problem.channels_last:  # rows strided by C: a sector per lane
+            return 4.0
+        _, h, w = self._plane(problem)
+        return 0.8 if h * w >= PLANE_POSITIONS else 1.5
+
+    def configs(self, problem: ResampleProblem) -> list[LaunchConfig]:
+        _, h, w = self._plane(problem)
+        block_w = min(triton.next_power_of_2(w), 128)
+        out = []
+        # Measured on an H100 (x2 scales): large tiles forward, small ones backward; 4 warps.
+        for tile_size in (512, 1024, 2048) if problem.backward else (2048, 1024, 512):
+            block_h = max(1, min(triton.next_power_of_2(h), tile_size // block_w))
+            for warps in (4, 8):
+                config = {"BLOCK_A": block_h, "BLOCK_B": block_w, "num_warps": warps}
+                if config not in out:
+                    out.append(config)
+        return out
+
+    def grid(self, problem: ResampleProblem, block_a: int, block_b: int) -> tuple[int]:
+        d, h, w = self._plane(problem)
+        return (problem.n * problem.channels * d * cdiv(h, block_a) * cdiv(w, block_b),)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,8 +58,9 @@ def test_bilinear(resize, align_corners, layout, poison):
 @pytest.mark.parametrize("engine", ["direct", "plane"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_engine(engine, layout, monkeypatch):
-    """Each engine forward and backward, whatever the heuristic prefers for the layout; up to 64
-    outputs reading one input unroll in the backward, more loop (10 x 10 here)."""
+    """Each engine forward and backward, whatever the heuristic prefers for the layout; direct's
+    backward unrolls up to 64 outputs reading one input and loops over more (10 x 10 here),
+    plane's always loops."""
     monkeypatch.setattr(resample.FAMILY, "engines", [e for e in resample.FAMILY.engines if e.name == engine])
     monkeypatch.setattr(resample.FAMILY, "_plans", {})
     monkeypatch.setattr(resample.FAMILY, "_chosen", {})

@@ -140,22 +140,15 @@ def _weight(i, o, out, itab_ptr, wtab_ptr, at_i0, at_i1, at_w):
 
 
 @triton.jit
-def _gather_output(
-    at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr, OD, OH, OW, NH, NW,
-    gs_d, gs_h, gs_w, ACC: tl.constexpr,
-):  # fmt: skip
-    """Add output t = (a * NH + b) * NW + e of each lane's run (from (fd, fh, fw)) times its weight."""
-    T = OD + OH + OW
-    a, b, e = split(t, NH, NW)
-    od = fd + a
-    oh = fh + b
+def _gather_row(at, i_w, fw, od, oh, w_dh, ok_dh, total, e, itab_ptr, wtab_ptr, OD, OH, OW, gs_d, gs_h, gs_w,
+                ACC: tl.constexpr):  # fmt: skip
+    """Add output (od, oh, fw + e) times its weight (w_dh, the D and H weights, times W's)."""
     ow = fw + e
-    wd, ok_d = _weight(i_d, od, OD, itab_ptr, wtab_ptr, 0, T, 0)
-    wh, ok_h = _weight(i_h, oh, OH, itab_ptr, wtab_ptr, OD, T + OD, OD)
+    T = OD + OH + OW
     ww, ok_w = _weight(i_w, ow, OW, itab_ptr, wtab_ptr, OD + OH, T + OD + OH, OD + OH)
-    ok = mask & ok_d & ok_h & ok_w
+    ok = ok_dh & ok_w
     g = convert(tl.load(at + od * gs_d + oh * gs_h + ow * gs_w, mask=ok, other=0.0), ACC)
-    return total + tl.where(ok, g * (wd * wh * ww), 0.0)
+    return total + tl.where(ok, g * (w_dh * ww), 0.0)
 
 
 @triton.jit
@@ -184,15 +177,24 @@ def _backward_kernel(
     fh = tl.load(first + ID + i_h, mask=in_h, other=0)
     fw = tl.load(first + ID + IH + i_w, mask=in_w, other=0)
     at = dy_ptr + n * gs_n + c * gs_c
+    T = OD + OH + OW
     total = tl.zeros(mask.shape, ACC)
     if UNROLL:
-        for t in tl.static_range(ND * NH * NW):
-            total = _gather_output(at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr,
-                                   OD, OH, OW, NH, NW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
+        for a in tl.static_range(ND):
+            wd, ok_d = _weight(i_d, fd + a, OD, itab_ptr, wtab_ptr, 0, T, 0)
+            for b in tl.static_range(NH):
+                wh, ok_h = _weight(i_h, fh + b, OH, itab_ptr, wtab_ptr, OD, T + OD, OD)
+                for e in tl.static_range(NW):
+                    total = _gather_row(at, i_w, fw, fd + a, fh + b, wd * wh, mask & ok_d & ok_h, total, e,
+                                        itab_ptr, wtab_ptr, OD, OH, OW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
     else:
-        for t in range(ND * NH * NW):
-            total = _gather_output(at, t, i_d, i_h, i_w, fd, fh, fw, total, mask, itab_ptr, wtab_ptr,
-                                   OD, OH, OW, NH, NW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
+        for a in range(ND):
+            wd, ok_d = _weight(i_d, fd + a, OD, itab_ptr, wtab_ptr, 0, T, 0)
+            for b in range(NH):
+                wh, ok_h = _weight(i_h, fh + b, OH, itab_ptr, wtab_ptr, OD, T + OD, OD)
+                for e in range(NW):
+                    total = _gather_row(at, i_w, fw, fd + a, fh + b, wd * wh, mask & ok_d & ok_h, total, e,
+                                        itab_ptr, wtab_ptr, OD, OH, OW, gs_d, gs_h, gs_w, ACC)  # fmt: skip
     dx_off = n * xs_n + c * xs_c + i_d * xs_d + i_h * xs_h + i_w * xs_w
     tl.store(dx_ptr + dx_off, convert(total, dx_ptr.dtype.element_ty), mask=mask)
 
@@ -296,7 +298,8 @@ def _describe(input: torch.Tensor, size: Sequence[int], mode: str = "nearest",
 FAMILY: Family[ResampleProblem] = Family("resample", _describe)
 
 
-# The backward unrolls its loop over the outputs reading an input up to this many.
+# The [positions x channels] backward unrolls its loop over the outputs reading an input up
+# to this many.
 MAX_UNROLLED_RUNS = 64
 # Planes of fewer positions leave most of a [rows x columns] tile idle.
 PLANE_POSITIONS = 64
@@ -355,7 +358,9 @@ class DirectEngine(Engine[ResampleProblem]):
 
         warps = config["num_warps"]
         if p.backward:
-            unroll = math.prod(runs) <= MAX_UNROLLED_RUNS
+            # Measured on an H100 (bilinear x2): unrolled, the channels_last tiles' backward took
+            # 418 us instead of 531; the plane tiles' 2833 instead of 1380 (register pressure).
+            unroll = not self.plane and math.prod(runs) <= MAX_UNROLLED_RUNS
             ints = (*sizes, *strides)
             run = launcher(_backward_kernel, grid, 4, ints, (*runs, unroll, *tail), num_warps=warps)
             return lambda dy, dx: run(dy, dx, *on(dy.device))

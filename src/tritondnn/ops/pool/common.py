@@ -173,6 +173,35 @@ def check_output_size(op: str, output_size: object, x: torch.Tensor, dims: int) 
 
 
 # ---------------------------------------------------------------------------------------------
+# The [rows x columns] plane tiling (``kernels.plane_tile``) shared by pooling and resampling.
+
+# Planes of fewer positions leave most of a [rows x columns] tile idle.
+PLANE_POSITIONS = 64
+
+
+def plane_cost(channels_last: bool, plane: Sequence[int]) -> float:
+    """An engine cost for plane tiles over a (D, H, W) plane: channels_last rows are strided by C
+    (a sector per lane), small planes leave lanes idle; otherwise below the tile engines' 1.0."""
+    if channels_last:
+        return 4.0
+    return 0.8 if plane[1] * plane[2] >= PLANE_POSITIONS else 1.5
+
+
+def plane_configs(plane: Sequence[int], tiles: Sequence[int], names: tuple[str, str]) -> list[dict]:
+    """Launch configs of plane tiles: per tile size (elements, in order of preference) rows x
+    columns with up to 128 columns, 4 then 8 warps; ``names`` are the kernel's block parameters."""
+    block_w = min(triton.next_power_of_2(plane[2]), 128)
+    out: list[dict] = []
+    for tile in tiles:
+        block_h = max(1, min(triton.next_power_of_2(plane[1]), tile // block_w))
+        for warps in (4, 8):
+            config = {names[0]: block_h, names[1]: block_w, "num_warps": warps}
+            if config not in out:
+                out.append(config)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Window geometry along one dimension. Regular windows: tap k of output o reads input
 # o * stride - padding + k * dilation. Adaptive windows (PyTorch's): output o reads inputs
 # floor(o * I / O) .. ceil((o + 1) * I / O) - 1.

@@ -39,6 +39,8 @@ from .common import (
     grad_input,
     needs_int64,
     pad3,
+    plane_configs,
+    plane_cost,
     sizes3,
     strides5,
     taps_and_candidates,
@@ -50,8 +52,6 @@ MAX_UNROLLED = 64
 WINDOW_REDUCE_TAPS = 32
 # Window reductions split a window over several programs until about this many run.
 REDUCE_PROGRAMS = 2048
-# Planes of fewer positions leave most of a [rows x columns] tile idle.
-PLANE_POSITIONS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,16 +250,9 @@ class PlaneEngine(Engine[PoolProblem]):
         return problem.in_size if problem.backward else problem.out_size
 
     def cost(self, problem: PoolProblem) -> float:
-        # Channels_last rows are strided by C: every lane would read its own sector.
-        if problem.channels_last:
-            return 4.0
-        _, h, w = self._plane(problem)
-        return 0.8 if h * w >= PLANE_POSITIONS else 1.5
+        return plane_cost(problem.channels_last, self._plane(problem))
 
     def configs(self, problem: PoolProblem) -> list[LaunchConfig]:
-        _, h, w = self._plane(problem)
-        block_w = min(triton.next_power_of_2(w), 128)
-        out = []
         # Measured on an H100 (3x3 stride 2 and global windows): small tiles where a lane issues
         # many loads (taps forward; candidates backward, two loads each for max pooling), large
         # tiles where it issues a few; 4 warps.
@@ -267,13 +260,8 @@ class PlaneEngine(Engine[PoolProblem]):
             loads = math.prod(problem.candidates) * (2 if problem.is_max else 1)
         else:
             loads = problem.taps
-        for tile in (2048, 1024, 512) if loads <= 4 else (512, 1024, 2048):
-            block_h = max(1, min(triton.next_power_of_2(h), tile // block_w))
-            for warps in (4, 8):
-                config = {"BLOCK_H": block_h, "BLOCK_W": block_w, "num_warps": warps}
-                if config not in out:
-                    out.append(config)
-        return out
+        tiles = (2048, 1024, 512) if loads <= 4 else (512, 1024, 2048)
+        return plane_configs(self._plane(problem), tiles, ("BLOCK_H", "BLOCK_W"))
 
     def bind(self, problem: PoolProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem

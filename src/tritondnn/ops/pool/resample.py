@@ -43,6 +43,8 @@ from .common import (
     int_tuple,
     needs_int64,
     pad3,
+    plane_configs,
+    plane_cost,
     sizes3,
     strides5,
 )
@@ -301,8 +303,6 @@ FAMILY: Family[ResampleProblem] = Family("resample", _describe)
 # The [positions x channels] backward unrolls its loop over the outputs reading an input up
 # to this many.
 MAX_UNROLLED_RUNS = 64
-# Planes of fewer positions leave most of a [rows x columns] tile idle.
-PLANE_POSITIONS = 64
 
 
 @FAMILY.register
@@ -380,23 +380,12 @@ class PlaneEngine(DirectEngine):
         return problem.in_size if problem.backward else problem.out_size
 
     def cost(self, problem: ResampleProblem) -> float:
-        if problem.channels_last:  # rows strided by C: a sector per lane
-            return 4.0
-        _, h, w = self._plane(problem)
-        return 0.8 if h * w >= PLANE_POSITIONS else 1.5
+        return plane_cost(problem.channels_last, self._plane(problem))
 
     def configs(self, problem: ResampleProblem) -> list[LaunchConfig]:
-        _, h, w = self._plane(problem)
-        block_w = min(triton.next_power_of_2(w), 128)
-        out = []
         # Measured on an H100 (x2 scales): large tiles forward, small ones backward; 4 warps.
-        for tile_size in (512, 1024, 2048) if problem.backward else (2048, 1024, 512):
-            block_h = max(1, min(triton.next_power_of_2(h), tile_size // block_w))
-            for warps in (4, 8):
-                config = {"BLOCK_A": block_h, "BLOCK_B": block_w, "num_warps": warps}
-                if config not in out:
-                    out.append(config)
-        return out
+        tiles = (512, 1024, 2048) if problem.backward else (2048, 1024, 512)
+        return plane_configs(self._plane(problem), tiles, ("BLOCK_A", "BLOCK_B"))
 
     def grid(self, problem: ResampleProblem, block_a: int, block_b: int) -> tuple[int]:
         d, h, w = self._plane(problem)

@@ -172,8 +172,7 @@ def plane_tile(C, D, H, W, INDEX_64: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_
 # ---------------------------------------------------------------------------------------------
 # Forward: each lane pools one output's window, taps in PyTorch's order. UNROLL: the window
 # size is a constexpr and the taps unroll (``tl.static_range``) so their loads issue together;
-# else a loop over runtime counts. (Triton 3.6's ``loop_unroll_factor`` miscompiled the
-# adaptive backward's candidate loops on an H100, so unrolling happens in the frontend.)
+# else a loop over runtime counts (a plain ``range`` over constexpr counts is not unrolled).
 
 
 @triton.jit

@@ -197,7 +197,7 @@ def test_window_reduce_splits_few_windows(layout):
     problem = pooling._problem(False, True, True, 2, True, False, x.dtype, x, x[:, :, :1, :1],
                                x[:, :, :1, :1], (1, 1), (40, 41), (1, 1), (0, 0), (1, 1))  # fmt: skip
     config = pooling.WindowReduceEngine().configs(problem)[0]
-    assert pooling.math.ceil(problem.taps / config["CHUNK"]) > 1
+    assert problem.taps > config["CHUNK"]  # more than one program per window
     for name, args in (("adaptive_max_pool2d", (1, True)), ("adaptive_max_pool2d", (1,)),
                        ("adaptive_avg_pool2d", (1,))):  # fmt: skip
         got, want = getattr(pool, name)(x, *args), getattr(F, name)(x.cpu(), *args)

@@ -104,9 +104,29 @@ class PoolProblem(Problem):
         return not self.backward and self.adaptive and self.out_size == (1, 1, 1) and packed
 
     @property
+    def lane_sizes(self) -> tuple[int, int, int]:
+        """The (D, H, W) sizes a program's lanes walk: outputs forward, inputs backward."""
+        return self.in_size if self.backward else self.out_size
+
+    @property
     def positions(self) -> int:
-        """Positions a program's lanes walk: outputs forward, inputs backward."""
-        return math.prod(self.in_size if self.backward else self.out_size)
+        return math.prod(self.lane_sizes)
+
+    @property
+    def geometry(self) -> tuple[int, ...]:
+        """ID, IH, IW, OD, OH, OW, then stride, padding and dilation per dimension, as kernels take them."""
+        return (*self.in_size, *self.out_size, *self.stride, *self.padding, *self.dilation)
+
+    @property
+    def tensor_strides(self) -> tuple[int, ...]:
+        """The (n, c, d, h, w) strides of each tensor of the launch, in a row."""
+        return tuple(s for t in self.strides for s in t)
+
+    @property
+    def flags(self) -> tuple:
+        """IS_MAX, ADAPTIVE, COUNT_PAD, OVERRIDE, INDEX, ACC: the kernels' common constexprs."""
+        p = self
+        return (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc)
 
     @property
     def channels_last(self) -> bool:
@@ -198,19 +218,17 @@ class _DirectEngine(Engine[PoolProblem]):
         p = problem
         block_p, block_c = config["BLOCK_P"], config["BLOCK_C"]
         grid = (p.n * cdiv(p.positions, block_p) * cdiv(p.channels, block_c),)
-        geometry = (p.channels, *p.in_size, *p.out_size, *p.stride, *p.padding, *p.dilation)
-        strides = tuple(s for t in p.strides for s in t)
         counts = (*p.kernel, *p.candidates) if p.backward else p.kernel
-        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc)
         tail = (p.index_64, block_p, block_c)
         if p.backward:
             fn = K.backward_unrolled_kernel if self.unrolled else K.backward_kernel
         else:
             fn = K.forward_unrolled_kernel if self.unrolled else K.forward_kernel
+        ints = (p.channels, *p.geometry, *p.tensor_strides)
         if self.unrolled:
-            ints, constexprs = (*geometry, *strides), (*counts, *flags, *tail)
+            constexprs = (*counts, *p.flags, *tail)
         else:
-            ints, constexprs = (*geometry, *strides, *counts), (*flags, *tail)
+            ints, constexprs = (*ints, *counts), (*p.flags, *tail)
         return launcher(fn, grid, 3, ints, constexprs, num_warps=config["num_warps"])
 
 
@@ -244,13 +262,8 @@ class PlaneEngine(Engine[PoolProblem]):
             reasons.append("adaptive windows that vary in size or overlap (geometry not compiled in)")
         return reasons
 
-    @staticmethod
-    def _plane(problem: PoolProblem) -> tuple[int, int, int]:
-        """The (D, H, W) sizes a program tiles: outputs forward, inputs backward."""
-        return problem.in_size if problem.backward else problem.out_size
-
     def cost(self, problem: PoolProblem) -> float:
-        return plane_cost(problem.channels_last, self._plane(problem))
+        return plane_cost(problem.channels_last, problem.lane_sizes)
 
     def configs(self, problem: PoolProblem) -> list[LaunchConfig]:
         # Measured on an H100 (3x3 stride 2 and global windows): small tiles where a lane issues
@@ -261,17 +274,14 @@ class PlaneEngine(Engine[PoolProblem]):
         else:
             loads = problem.taps
         tiles = (2048, 1024, 512) if loads <= 4 else (512, 1024, 2048)
-        return plane_configs(self._plane(problem), tiles, ("BLOCK_H", "BLOCK_W"))
+        return plane_configs(problem.lane_sizes, tiles, ("BLOCK_H", "BLOCK_W"))
 
     def bind(self, problem: PoolProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
         block_h, block_w = config["BLOCK_H"], config["BLOCK_W"]
-        d, h, w = self._plane(p)
+        d, h, w = p.lane_sizes
         grid = (p.n * p.channels * d * cdiv(h, block_h) * cdiv(w, block_w),)
-        geometry = (p.channels, *p.in_size, *p.out_size, *p.stride, *p.padding, *p.dilation)
-        strides = tuple(s for t in p.strides for s in t)
         counts = (*p.kernel, *p.candidates) if p.backward else p.kernel
-        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc)
         if p.backward:
             fn, tail = K.plane_backward_kernel, (p.index_64,)
         else:
@@ -280,8 +290,8 @@ class PlaneEngine(Engine[PoolProblem]):
             fn,
             grid,
             3,
-            (p.channels, *strides),
-            (*geometry[1:], *counts, *flags, *tail, block_h, block_w),
+            (p.channels, *p.tensor_strides),
+            (*p.geometry, *counts, *p.flags, *tail, block_h, block_w),
             num_warps=config["num_warps"],
         )
 
@@ -337,10 +347,9 @@ class WindowReduceEngine(Engine[PoolProblem]):
         split = cdiv(p.taps, chunk)
         positions = p.n * p.positions
         grid = (positions * cdiv(p.channels, block_c), split)
-        geometry = (p.channels, *p.in_size, *p.out_size, *p.stride, *p.padding, *p.dilation)
-        strides = tuple(s for t in p.strides for s in t)
-        flags = (p.is_max, p.adaptive, p.count_include_pad, p.divisor_override, p.index, p.acc, p.index_64)
-        ints, tail = (*geometry, *strides, *p.kernel, chunk, split), (p.flat, block_s, block_c)
+        flags = (*p.flags, p.index_64)
+        ints = (p.channels, *p.geometry, *p.tensor_strides, *p.kernel, chunk, split)
+        tail = (p.flat, block_s, block_c)
         warps = config["num_warps"]
         if split == 1:
             reduce = launcher(K.window_reduce_kernel, grid, 5, ints, (*flags, False, *tail), num_warps=warps)

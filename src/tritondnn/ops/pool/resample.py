@@ -258,8 +258,13 @@ class ResampleProblem(Problem):
         return tl.float64 if self.dtype == "float64" else tl.float32
 
     @property
+    def lane_sizes(self) -> tuple[int, int, int]:
+        """The (D, H, W) sizes a program's lanes walk: outputs forward, inputs backward."""
+        return self.in_size if self.backward else self.out_size
+
+    @property
     def positions(self) -> int:
-        return math.prod(self.in_size if self.backward else self.out_size)
+        return math.prod(self.lane_sizes)
 
     @property
     def channels_last(self) -> bool:
@@ -376,19 +381,16 @@ class PlaneEngine(DirectEngine):
     name = "plane"
     plane = True
 
-    def _plane(self, problem: ResampleProblem) -> tuple[int, int, int]:
-        return problem.in_size if problem.backward else problem.out_size
-
     def cost(self, problem: ResampleProblem) -> float:
-        return plane_cost(problem.channels_last, self._plane(problem))
+        return plane_cost(problem.channels_last, problem.lane_sizes)
 
     def configs(self, problem: ResampleProblem) -> list[LaunchConfig]:
         # Measured on an H100 (x2 scales): large tiles forward, small ones backward; 4 warps.
         tiles = (512, 1024, 2048) if problem.backward else (2048, 1024, 512)
-        return plane_configs(self._plane(problem), tiles, ("BLOCK_A", "BLOCK_B"))
+        return plane_configs(problem.lane_sizes, tiles, ("BLOCK_A", "BLOCK_B"))
 
     def grid(self, problem: ResampleProblem, block_a: int, block_b: int) -> tuple[int]:
-        d, h, w = self._plane(problem)
+        d, h, w = problem.lane_sizes
         return (problem.n * problem.channels * d * cdiv(h, block_a) * cdiv(w, block_b),)
 
 

@@ -39,6 +39,7 @@ from .common import (
     in_layout,
     ncs_layout,
     param_grads,
+    sum_partials,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -90,41 +91,57 @@ def _tile(r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
 
 
 @triton.jit
+def _reversed(n_channels, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(first row, first channel) of this program's tile in a 1-D grid that visits the row blocks
+    from the last to the first, every channel block of a row block together: the reductions
+    before it swept the rows forwards, so the last rows they read are still in L2."""
+    c_blocks = tl.cdiv(n_channels, BLOCK_C)
+    pid = tl.program_id(0)
+    row_block = tl.num_programs(0) // c_blocks - 1 - pid // c_blocks
+    return row_block * BLOCK_R, (pid % c_blocks) * BLOCK_C
+
+
+@triton.jit
 def _stats_kernel(
-    x_ptr, shift_ptr, sum_ptr, sumsq_ptr,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s, rows_per_split,
-    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, shift_ptr, part_ptr,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
+    ACC: tl.constexpr, SHIFT_FROM_X: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Per-channel sums of (x - shift) and (x - shift)**2 over this program's rows, fp32, into row
-    ``split`` of the (splits, C) buffers. Grid: (channel blocks, splits)."""
+    """Per-channel sums of (x - shift) and (x - shift)**2 over this program's rows, fp32, into
+    rows ``split`` and ``splits + split`` of the (2, splits, C) buffer ``part``. The shift is
+    x[0, c, 0] (SHIFT_FROM_X) or ``shift[c]``. Grid: (channel blocks, splits).
+
+    Split k takes row blocks k, k + splits, ...: the programs sweep the tensor together from its
+    first rows to its last, which leaves the last rows in L2 for the apply pass (it starts there)."""
     c0 = tl.program_id(0) * BLOCK_C
     split = tl.program_id(1)
     cols = c0 + tl.arange(0, BLOCK_C)
-    shift = convert(tl.load(shift_ptr + cols, mask=cols < n_channels, other=0.0), ACC)[None, :]
+    shift_at = shift_ptr + cols * stride_c if SHIFT_FROM_X else shift_ptr + cols
+    shift = convert(tl.load(shift_at, mask=cols < n_channels, other=0.0), ACC)[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
     acc_sq = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    start = split * rows_per_split
-    for r0 in range(start, tl.minimum(start + rows_per_split, n_rows), BLOCK_R):
+    for r0 in range(split * BLOCK_R, n_rows, tl.num_programs(1) * BLOCK_R):
         offs, mask, _ = _tile(
             r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
         )
-        mask = mask & (r0 + tl.arange(0, BLOCK_R)[:, None] < start + rows_per_split)
         d = tl.where(mask, convert(tl.load(x_ptr + offs, mask=mask, other=0.0), ACC) - shift, 0.0)
         acc += d
         acc_sq += d * d
-    tl.store(sum_ptr + split * n_channels + cols, tl.sum(acc, 0), mask=cols < n_channels)
-    tl.store(sumsq_ptr + split * n_channels + cols, tl.sum(acc_sq, 0), mask=cols < n_channels)
+    out = part_ptr + split * n_channels + cols
+    tl.store(out, tl.sum(acc, 0), mask=cols < n_channels)
+    tl.store(out + tl.num_programs(1) * n_channels, tl.sum(acc_sq, 0), mask=cols < n_channels)
 
 
 @triton.jit
 def _finalize_kernel(
-    sum_ptr, sumsq_ptr, shift_ptr, w_ptr, rmean_ptr, rvar_ptr, mean_ptr, rstd_ptr, scale_ptr,
+    part_ptr, shift_ptr, w_ptr, rmean_ptr, rvar_ptr, mean_ptr, rstd_ptr, scale_ptr,
     count, eps, momentum,
-    n_channels, splits,
+    n_channels, splits, shift_stride,
     ACC: tl.constexpr, TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, HAS_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Per channel: mean and 1/std (from the summed partials when TRAINING, from the running
+    """Per channel: mean and 1/std (from the (2, splits, C) partials when TRAINING, from the running
     statistics otherwise), the running-statistic update (unbiased variance, as PyTorch), and
     for the apply kernel scale = w / std (row 0 of the (2, C) scale buffer) and mean_lo, the part
     of the mean that the fp32 ``mean`` rounded away (row 1): x - mean is then taken as
@@ -135,11 +152,11 @@ def _finalize_kernel(
         total = tl.zeros([BLOCK_C], ACC)
         total_sq = tl.zeros([BLOCK_C], ACC)
         for k in range(0, splits):  # a fixed order: the same bits on every run
-            total += tl.load(sum_ptr + k * n_channels + c, mask=cm, other=0.0)
-            total_sq += tl.load(sumsq_ptr + k * n_channels + c, mask=cm, other=0.0)
+            total += tl.load(part_ptr + k * n_channels + c, mask=cm, other=0.0)
+            total_sq += tl.load(part_ptr + (splits + k) * n_channels + c, mask=cm, other=0.0)
         centred = total / count
         var = tl.maximum(total_sq / count - centred * centred, 0.0)
-        shift = convert(tl.load(shift_ptr + c, mask=cm, other=0.0), ACC)
+        shift = convert(tl.load(shift_ptr + c * shift_stride, mask=cm, other=0.0), ACC)
         mean = shift + centred
         mean_lo = (shift - mean) + centred
         if UPDATE_RUNNING:
@@ -180,12 +197,12 @@ def _apply_kernel(
 ):  # fmt: skip
     """y = act((x - mean[c] - mean_lo[c]) * scale[c] + b[c]) with scale and mean_lo the rows of
     the (2, C) buffer the finalize kernel wrote. Subtracting the mean first keeps the digits a
-    folded x * scale + (b - mean * scale) would cancel away for large means. Grid: (row blocks,
-    channel blocks)."""
+    folded x * scale + (b - mean * scale) would cancel away for large means. Grid: (row blocks x
+    channel blocks,), see _reversed."""
+    r0, c0 = _reversed(n_channels, BLOCK_R, BLOCK_C)
     offs, mask, c = _tile(
-        tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_C, n_rows, n_channels, spatial,
-        stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C,
-    )  # fmt: skip
+        r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
+    )
     mean = tl.load(mean_ptr + c, mask=c < n_channels, other=0.0)
     scale = tl.load(scale_ptr + c, mask=c < n_channels, other=0.0)
     mean_lo = tl.load(scale_ptr + n_channels + c, mask=c < n_channels, other=0.0)
@@ -219,14 +236,15 @@ def _load_channel(ptr, c, n_channels, default, PRESENT: tl.constexpr, ACC: tl.co
 
 @triton.jit
 def _backward_reduce_kernel(
-    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, dsum_ptr, dxsum_ptr,
+    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, part_ptr,
     act_p0, act_p1,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s, rows_per_split,
+    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
     ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Per-channel partial sums of dy and dy * x-hat (dy taken through the activation) into row
-    ``split`` of the (splits, C) buffers: db and dw, and the two terms of dx. Grid as _stats."""
+    """Per-channel partial sums of dy and dy * x-hat (dy taken through the activation) into rows
+    ``split`` and ``splits + split`` of the (2, splits, C) buffer ``part``: db and dw, and the two
+    terms of dx. Grid as _stats."""
     c0 = tl.program_id(0) * BLOCK_C
     split = tl.program_id(1)
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -237,17 +255,16 @@ def _backward_reduce_kernel(
     b = _load_channel(b_ptr, c2, n_channels, 0.0, HAS_B, ACC)
     acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
     acc_x = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    start = split * rows_per_split
-    for r0 in range(start, tl.minimum(start + rows_per_split, n_rows), BLOCK_R):
+    for r0 in range(split * BLOCK_R, n_rows, tl.num_programs(1) * BLOCK_R):
         offs, mask, _ = _tile(
             r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
         )
-        mask = mask & (r0 + tl.arange(0, BLOCK_R)[:, None] < start + rows_per_split)
         dy, xhat = _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT)
         acc += dy
         acc_x += dy * xhat
-    tl.store(dsum_ptr + split * n_channels + cols, tl.sum(acc, 0), mask=cols < n_channels)
-    tl.store(dxsum_ptr + split * n_channels + cols, tl.sum(acc_x, 0), mask=cols < n_channels)
+    out = part_ptr + split * n_channels + cols
+    tl.store(out, tl.sum(acc, 0), mask=cols < n_channels)
+    tl.store(out + tl.num_programs(1) * n_channels, tl.sum(acc_x, 0), mask=cols < n_channels)
 
 
 @triton.jit
@@ -259,11 +276,12 @@ def _backward_apply_kernel(
     INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """dx = w * rstd * (dy - sum(dy) / count - x-hat * sum(dy * x-hat) / count) in training; with
-    running statistics the mean and variance are constants and dx = w * rstd * dy."""
+    running statistics the mean and variance are constants and dx = w * rstd * dy. Grid as
+    _apply_kernel's."""
+    r0, c0 = _reversed(n_channels, BLOCK_R, BLOCK_C)
     offs, mask, c = _tile(
-        tl.program_id(0) * BLOCK_R, tl.program_id(1) * BLOCK_C, n_rows, n_channels, spatial,
-        stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C,
-    )  # fmt: skip
+        r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
+    )
     cm = c < n_channels
     mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
     rstd = tl.load(rstd_ptr + c, mask=cm, other=0.0)
@@ -350,82 +368,91 @@ class TiledEngine(Engine[BatchNormProblem]):
         ints = (p.rows, p.channels, p.spatial, *p.strides)
         c_blocks = cdiv(p.channels, block_c)
         device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        # Splits of the rows: enough programs to fill the GPU, each a multiple of BLOCK_R rows.
+        # Splits of the rows (interleaved row blocks): enough programs to fill the GPU.
         splits = max(
             1, min(cdiv(p.rows, block_r), config["PER_SM"] * multiprocessor_count(device) // c_blocks)
         )
-        rows_per_split = cdiv(cdiv(p.rows, splits), block_r) * block_r
-        splits = cdiv(p.rows, rows_per_split)
+        tiles_grid = (cdiv(p.rows, block_r) * c_blocks,)
         warps = config["num_warps"]
         tiles = (index_64, block_r, block_c)
-        if p.step == "stats":
-            run = launcher(
+        part_shape = (2, splits, p.channels)
+        if p.step in ("stats", "forward"):
+            stats = launcher(
                 _stats_kernel,
                 (c_blocks, splits),
-                4,
-                (*ints, rows_per_split),
-                (p.acc, *tiles),
-                num_warps=warps,
-            )
-
-            def stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                dtype = _stats_dtype(x)
-                partial = x.new_empty((splits, p.channels), dtype=dtype)
-                partial_sq = torch.empty_like(partial)
-                run(x, shift, partial, partial_sq)
-                return partial, partial_sq
-
-            return stats
-        if p.step == "apply":
-            finalizers: dict[int, Callable[..., None]] = {}  # by the number of partial-sum rows
-            apply = launcher(
-                _apply_kernel,
-                (cdiv(p.rows, block_r), c_blocks),
-                5,
+                3,
                 ints,
-                (p.has_b, p.act, *tiles),
+                (p.acc, p.step == "forward", *tiles),
                 num_warps=warps,
             )
+            if p.step == "stats":
 
-            def finalize_apply(
-                x, sums, sums_sq, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1
-            ):
-                k = sums.shape[0]
-                if k not in finalizers:
-                    finalizers[k] = launcher(
+                def partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+                    part = x.new_empty(part_shape, dtype=_stats_dtype(x))
+                    stats(x, shift, part)
+                    return part
+
+                return partial_stats
+        if p.step in ("apply", "forward"):
+            apply = launcher(_apply_kernel, tiles_grid, 5, ints, (p.has_b, p.act, *tiles), num_warps=warps)
+            finalizers: dict[tuple[int, int], Callable[..., None]] = {}
+
+            def finalizer(k: int, shift_stride: int) -> Callable[..., None]:
+                """The finalize launch for partial sums of ``k`` rows and a shift ``shift_stride``
+                elements apart (x's channel stride when the shift is x[0, :, 0])."""
+                run = finalizers.get((k, shift_stride))
+                if run is None:
+                    run = finalizers[k, shift_stride] = launcher(
                         _finalize_kernel,
                         (cdiv(p.channels, 128),),
-                        9,
-                        (p.channels, k),
+                        8,
+                        (p.channels, k, shift_stride),
                         (p.acc, p.training, p.update_running, p.has_w, 128),
                     )
+                return run
+
+            if p.step == "forward":
+                finalize = finalizer(splits, p.strides[1])
+
+                def forward(x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1) -> None:
+                    """Training: statistics, finalize and apply; the shift is x[0, :, 0]."""
+                    part = mean.new_empty(part_shape)
+                    scale = mean.new_empty((2, p.channels))  # scale, mean_lo
+                    stats(x, x, part)
+                    finalize(part, x, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
+                    apply(x, mean, scale, b, y, p0, p1)
+
+                return forward
+
+            def finalize_apply(x, part, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1):
+                """``part``: (2, k, C) partial sums and ``shift`` (C,) (unread unless training)."""
                 scale = mean.new_empty((2, p.channels))  # scale, mean_lo
-                finalizers[k](sums, sums_sq, shift, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
+                run = finalizer(part.shape[1] if p.training else 1, 1)
+                run(part, shift, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
                 apply(x, mean, scale, b, y, p0, p1)
 
             return finalize_apply
         reduce = launcher(
             _backward_reduce_kernel,
             (c_blocks, splits),
-            8,
-            (*ints, rows_per_split),
+            7,
+            ints,
             (p.acc, p.has_w, p.has_b, p.act, *tiles),
             num_warps=warps,
         )
         apply_grad = launcher(
             _backward_apply_kernel,
-            (cdiv(p.rows, block_r), c_blocks),
+            tiles_grid,
             9,
             ints,
             (p.acc, p.training, p.has_w, p.has_b, p.act, *tiles),
             num_warps=warps,
         )
 
-        def backward_reduce(dy, x, mean, rstd, w, b, p0, p1) -> tuple[torch.Tensor, torch.Tensor]:
-            dsum = mean.new_empty((splits, p.channels))
-            dxsum = torch.empty_like(dsum)
-            reduce(dy, x, mean, rstd, w, b, dsum, dxsum, p0, p1)
-            return dsum.sum(0), dxsum.sum(0)  # fixed order over the splits: deterministic
+        def backward_reduce(dy, x, mean, rstd, w, b, p0, p1) -> torch.Tensor:
+            part = mean.new_empty(part_shape)
+            reduce(dy, x, mean, rstd, w, b, part, p0, p1)
+            return part
 
         if p.step == "backward_reduce":
             return backward_reduce
@@ -435,14 +462,28 @@ class TiledEngine(Engine[BatchNormProblem]):
             )
 
         def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
-            dsum, dxsum = backward_reduce(dy, x, mean, rstd, w, b, p0, p1)
+            part = backward_reduce(dy, x, mean, rstd, w, b, p0, p1)
+            if dw.numel() and db.numel() and dw.dtype == db.dtype == mean.dtype:
+                # The gradients are the sums dx needs: sum them in place (one launch, no copies).
+                sum_partials(part, db, dw)
+                dsum, dxsum = db, dw
+            else:
+                dsum, dxsum = channel_sums(part)
+                if dw.numel():
+                    dw.copy_(dxsum)
+                if db.numel():
+                    db.copy_(dsum)
             apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
-            if dw.numel():
-                dw.copy_(dxsum)
-            if db.numel():
-                db.copy_(dsum)
 
         return backward
+
+
+def channel_sums(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two (C,) sums over the splits of a (2, splits, C) partial buffer, in a fixed order."""
+    sums = part.new_empty((2, part.shape[2]))
+    first, second = sums.unbind(0)
+    sum_partials(part, first, second)
+    return first, second
 
 
 def _stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -451,14 +492,15 @@ def _stats_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _plan(step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int, timing_args):
     """The bound launch of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` may be None."""
-    n, c, s, strides = ncs_layout(x)
     dtypes = (x.dtype, (weight if weight is not None else x).dtype, (bias if bias is not None else x).dtype)
     flags = (step, training, update, weight is not None, bias is not None, act)
 
     def problem() -> BatchNormProblem:
+        n, c, s, strides = ncs_layout(x)
         return BatchNormProblem(*flags, tuple(map(dtype_name, dtypes)), n, c, s, strides)
 
-    return FAMILY.plan((*flags, n, c, s, strides, *dtypes), problem, timing_args)
+    # Shape and strides determine the (N, C, S) view: the key needs no layout analysis per call.
+    return FAMILY.plan((*flags, x.shape, x.stride(), *dtypes), problem, timing_args)
 
 
 def _default_shift(x: torch.Tensor) -> torch.Tensor:
@@ -469,8 +511,8 @@ def _default_shift(x: torch.Tensor) -> torch.Tensor:
     return x[0].reshape(x.shape[1], -1)[:, 0].to(_stats_dtype(x)).contiguous()
 
 
-def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(splits, C) partial sums of x - shift and its square; x is in an (N, C, S) layout."""
+def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(2, splits, C) partial sums of x - shift and of its square; x is in an (N, C, S) layout."""
     return _plan("stats", x, True, False, None, None, NO_ACTIVATION, lambda: (x, shift))(x, shift)
 
 
@@ -513,30 +555,37 @@ def _forward(
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     x, y = dense_ncs(x, y)
     count = x.numel() // x.shape[1]
-    if training:
-        shift = _default_shift(x)
-        sums, sums_sq = _partial_stats(x, shift)
-    else:
-        shift = sums = sums_sq = x  # unread: finalize takes the running statistics
-    _finalize_apply(
-        x, sums, sums_sq, shift, weight, bias, running_mean, running_var, y, mean, rstd, count,
-        training, momentum, eps, act, act_p0, act_p1,
-    )  # fmt: skip
+    if training:  # statistics (the shift is x[0, :, 0]), finalize and apply in one plan
+        update = running_mean is not None
+        w, b, rm, rv = (t if t is not None else x for t in (weight, bias, running_mean, running_var))
+        args = (x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, act_p0, act_p1)
+
+        def timing_args() -> tuple:  # benchmark mode times on copies of the running statistics
+            return (*args[:3], rm.clone(), rv.clone(), *args[5:])
+
+        _plan("forward", x, True, update, weight, bias, act, timing_args)(*args)
+    else:  # the running statistics: no partial sums or shift to read
+        _finalize_apply(
+            x, x, x, weight, bias, running_mean, running_var, y, mean, rstd, count,
+            False, momentum, eps, act, act_p0, act_p1,
+        )  # fmt: skip
     return y, mean, rstd
 
 
 def _finalize_apply(
-    x, sums, sums_sq, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1
+    x, part, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1
 ):
+    """Finalize (2, k, C) partial sums ``part`` about ``shift`` and apply (training), or apply the
+    running statistics (``part`` and ``shift`` unread)."""
     update = training and rm is not None
     w = weight if weight is not None else x  # absent tensors are passed as x and never read
     b = bias if bias is not None else x
     rm = rm if rm is not None else x
     rv = rv if rv is not None else x
-    args = (x, sums, sums_sq, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
+    args = (x, part, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
 
     def timing_args() -> tuple:  # benchmark mode times on copies of the running statistics
-        return (*args[:6], rm.clone(), rv.clone(), *args[8:])
+        return (*args[:5], rm.clone(), rv.clone(), *args[7:])
 
     _plan("apply", x, training, update, weight, bias, act, timing_args)(*args)
 
@@ -675,8 +724,8 @@ def batch_norm_stats(
     if x.numel() == 0:
         zeros = torch.zeros(x.shape[1], dtype=_stats_dtype(x), device=x.device)
         return zeros, zeros.clone(), shift, 0
-    partial, partial_sq = _partial_stats(x, shift)
-    return partial.sum(0), partial_sq.sum(0), shift, x.numel() // x.shape[1]
+    total, total_sq = channel_sums(_partial_stats(x, shift))
+    return total, total_sq, shift, x.numel() // x.shape[1]
 
 
 def batch_norm_apply(
@@ -710,10 +759,10 @@ def batch_norm_apply(
     mean = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel():
-        sums, sums_sq = (t.to(mean.dtype).reshape(1, -1).contiguous() for t in (sum, sum_sq))
+        part = torch.stack((sum, sum_sq)).to(mean.dtype).reshape(2, 1, -1)  # the (2, k, C) layout
         shift = shift.to(mean.dtype).contiguous()
         _finalize_apply(
-            x, sums, sums_sq, shift, weight, bias, running_mean, running_var, y, mean, rstd, count,
+            x, part, shift, weight, bias, running_mean, running_var, y, mean, rstd, count,
             True, momentum, eps, act, p0, p1,
         )  # fmt: skip
     return y, mean, rstd
@@ -738,7 +787,9 @@ def batch_norm_backward_reduce(
     w = weight if weight is not None else x
     mean, invstd = (t.to(_stats_dtype(x)).contiguous() for t in (mean, invstd))
     args = (dy, x, mean, invstd, w, x, 0.0, 0.0)
-    return _plan("backward_reduce", x, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+    return channel_sums(
+        _plan("backward_reduce", x, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+    )
 
 
 def batch_norm_backward_apply(

@@ -349,13 +349,18 @@ class TiledEngine(Engine[BatchNormProblem]):
 
     def configs(self, problem: BatchNormProblem) -> list[LaunchConfig]:
         c = triton.next_power_of_2(problem.channels)
+        # First choices measured on H100 (bf16 64x256x56x56, forward / backward): channels_last
+        # 128 x 32 tiles, 4 programs a multiprocessor (135 / 190 us; 64 x 64: 144 / 195); NCHW
+        # 2 x 1024 tiles, 8 a multiprocessor (117 / 182 us; 1 x 2048 with 4: 139 / 193).
         if problem.channels_last:  # channels contiguous: wide in channels
-            tiles = [(min(c, 64), 64), (min(c, 128), 32), (min(c, 32), 128), (min(c, 64), 32)]
+            tiles = [(min(c, 128), 32), (min(c, 64), 64), (min(c, 32), 128), (min(c, 64), 32)]
+            per_sms = (4, 8)
         else:  # positions contiguous: tall in rows, few channels
-            tiles = [(1, 2048), (2, 1024), (1, 4096), (4, 512)]
+            tiles = [(2, 1024), (1, 2048), (1, 4096), (4, 512)]
+            per_sms = (8, 4)
         out = []
         for block_c, block_r in tiles:
-            for per_sm in (4, 8):
+            for per_sm in per_sms:
                 config = {"BLOCK_C": block_c, "BLOCK_R": block_r, "num_warps": 4, "PER_SM": per_sm}
                 if config not in out:
                     out.append(config)

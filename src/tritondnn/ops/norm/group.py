@@ -722,25 +722,26 @@ def _backward(
 
 class _GroupNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, groups, eps, act, act_p0, act_p1):
+    def forward(ctx, x, weight, bias, groups, eps, act, act_p0, act_p1, stats):
         y, mean, rstd = _forward(x, weight, bias, groups, eps, act, act_p0, act_p1)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.params = (groups, act, act_p0, act_p1)
-        # The statistics are outputs for instance norm's running averages only: no gradient, and
-        # none materialized as zeros for the backward (two allocations and fills a call).
-        ctx.mark_non_differentiable(mean, rstd)
         ctx.set_materialize_grads(False)
+        if not stats:  # every output costs the autograd engine host time: only y unless asked
+            return y
+        # The statistics feed instance norm's running averages: no gradient.
+        ctx.mark_non_differentiable(mean, rstd)
         return y, mean, rstd
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _drstd):
+    def backward(ctx, dy, _dmean=None, _drstd=None):
         if dy is None:  # the output was not used
-            return (None,) * 8
+            return (None,) * 9
         x, weight, bias, mean, rstd = ctx.saved_tensors
         groups, act, act_p0, act_p1 = ctx.params
         need_dw, need_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dx, dw, db = _backward(dy, x, weight, bias, mean, rstd, groups, act, act_p0, act_p1, need_dw, need_db)
-        return dx, dw if need_dw else None, db if need_db else None, None, None, None, None, None
+        return dx, dw if need_dw else None, db if need_db else None, None, None, None, None, None, None
 
 
 def _group_norm(
@@ -751,8 +752,10 @@ def _group_norm(
     bias: torch.Tensor | None,
     eps: float,
     activation: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validated group norm; returns (y, mean, 1/std) with statistics per (n, group)."""
+    stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Validated group norm; returns (y, mean, 1/std) with statistics per (n, group), or
+    (y, None, None) for an autograd call that did not ask for ``stats``."""
     check_tensor(op, "input", input, min_ndim=2)
     channels = input.shape[1]
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
@@ -764,7 +767,9 @@ def _group_norm(
     eps = check_eps(op, eps)
     act, p0, p1 = activation_kind(activation, op)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-        return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1)
+        if stats:
+            return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1, True)
+        return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1, False), None, None
     return _forward(input, weight, bias, num_groups, eps, act, p0, p1)
 
 
@@ -833,7 +838,8 @@ def instance_norm(
             input, running_mean, running_var, weight, bias, False, momentum, eps, activation=activation
         )
     momentum = check_float(op, "momentum", momentum)
-    y, mean, rstd = _group_norm(op, input, channels, weight, bias, eps, activation)
+    stats = running_mean is not None
+    y, mean, rstd = _group_norm(op, input, channels, weight, bias, eps, activation, stats)
     if running_mean is not None:
         with torch.no_grad():
             spatial = input[0, 0].numel()

@@ -3,6 +3,8 @@ layouts, gradients, errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,6 +82,88 @@ def test_long_rows_split(op, shape, dims):
         assert torch.equal(out[1], x.argmax(dims))
     again = rd.reduce_tensor(x, op, dims, return_indices=op == "max")
     assert torch.equal(y, again[0] if isinstance(again, tuple) else again), "deterministic"
+
+
+def _chosen(x, op, dims) -> str:
+    return next(r.name for r in rd.FAMILY.report(rd._describe(x, op, dims)) if r.chosen)
+
+
+# Each shape picks a path: one program per row with whole tiles only or a masked last tile, rows
+# split over programs, columns split (two column blocks, the second partial). Small enough for the
+# interpreter (sm_count() = 4 there), and the same paths on a GPU.
+PATHS = [((5, 4096), 1, "tile"), ((5, 5000), 1, "tile"), ((2, 20000), 1, "split"), ((100, 300), 0, "split")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape,dim,engine", PATHS, ids=["whole", "tail", "split-rows", "split-columns"])
+def test_paths(shape, dim, engine, dtype, poison):
+    x = randn(*shape, dtype=dtype)
+    assert _chosen(x, "add", dim) == engine
+    for op in ("add", "mul_no_zeros", "norm2", "min", "amax"):
+        xin = x * 0.001 + 1.0 if op == "mul_no_zeros" else x
+        out = rd.reduce_tensor(xin, op, dim, return_indices=op in ("min", "amax"))
+        y = out[0] if isinstance(out, tuple) else out
+        assert_close(y, rd.reduce_reference(xin, op, (dim,)), _torch_same_dtype(xin, op, (dim,)), op)
+        if op == "min":
+            assert torch.equal(out[1], xin.argmin(dim))
+        if op == "amax":
+            assert torch.equal(out[1], xin.abs().argmax(dim))
+    assert torch.equal(rd.reduce_tensor(x, "add", dim), rd.reduce_tensor(x, "add", dim)), "deterministic"
+
+
+@pytest.mark.parametrize("shape,columns", [((3, 5000), False), ((3, 20000), False), ((300, 200), True)])
+def test_indices_ties_nan_inf_across_tiles(shape, columns):
+    """Ties and NaN in later tiles or splits, rows of only -inf/+inf: torch.max/min's indices."""
+    dim, k = 1, shape[1]
+    # Many exact ties; columns: the reduced dimension is the outer one in memory.
+    x = randn(*shape[::-1]).round().t() if columns else randn(*shape).round()
+    assert _chosen(x, "max", dim) == ("tile" if k == 5000 else "split")
+    x[0, k // 3] = x[0, k - 2] = 50.0  # tied maxima in different tiles/splits
+    x[0, k // 2] = -50.0
+    x[1, k - 3] = float("nan")  # NaN late, then an earlier one
+    x[1, k // 2 + 1] = float("nan")
+    x[2] = float("-inf")
+    for op, ref in (("max", torch.max), ("min", torch.min)):
+        t = x.clone()
+        if op == "min":
+            t[2] = float("inf")
+        vals, idx = rd.reduce_tensor(t, op, dim, return_indices=True)
+        ref_vals, ref_idx = ref(t, dim)
+        assert torch.equal(idx, ref_idx), op
+        assert torch.equal(vals.isnan(), ref_vals.isnan()) and torch.equal(
+            vals.nan_to_num(), ref_vals.nan_to_num()
+        )
+        plain = rd.reduce_tensor(t, op, dim)  # without indices: the NaN-propagating min/max
+        assert torch.equal(plain.isnan(), ref_vals.isnan()) and torch.equal(
+            plain.nan_to_num(), ref_vals.nan_to_num()
+        )
+
+
+@pytest.mark.parametrize("index_64", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("engine", ["tile", "split"])
+def test_engine_paths(engine, columns, index_64):
+    """Each engine over rows and columns, with 32- and 64-bit offsets (the latter taken past 2**31
+    elements, here forced on a small input). One program per SM: each split gets several tiles
+    (rows: a contiguous chunk; columns: every other tile), then the masked last one."""
+    x = randn(100, 300).t() if columns else randn(2, 20000)  # columns: the reduced dim is outer
+    x[1, 70 if columns else 15000] = float("nan")
+    eng = next(e for e in rd.FAMILY.engines if e.name == engine)
+    for op in ("max", "add"):
+        _, problem = rd._matrix(x, rd.ReduceOp[op.upper()], (1,), op == "max", x.dtype)
+        assert rd._columns(problem) == columns
+        problem = dataclasses.replace(problem, index_64=index_64)
+        config = eng.configs(problem)[0]
+        if engine == "split":
+            config = {**config, "BLOCK_K": 32 if columns else 1024, "PER_SM": 1}
+        out = torch.empty(x.shape[0], device=DEVICE)
+        idx = torch.empty(x.shape[0], dtype=torch.int64, device=DEVICE)
+        eng.bind(problem, config)(x, out, x, idx, 1.0)
+        if op == "max":
+            vals, ref = x.max(1)
+            assert torch.equal(idx, ref) and torch.equal(out.nan_to_num(), vals.nan_to_num())
+        else:
+            assert_close(out, x.double().sum(1), x.sum(1))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -31,6 +31,32 @@ def test_dtype_and_scale(src, dst, poison):
     assert_close(y, tf.transform_reference(x, 1.5), (x.to(dst) * 1.5).to(dst) if dst != src else x * 1.5)
 
 
+def _chosen(x: torch.Tensor, y: torch.Tensor) -> str:
+    return next(r.name for r in tf.FAMILY.report(tf._problem(x, y, [0] * x.ndim)) if r.chosen)
+
+
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "channels_last", "permuted", "sliced"], ids=lambda s: s.replace("_", "-")
+)
+def test_flat_same_layout(layout, dst, poison):
+    """Same-layout conversions run flat (an odd size leaves a partial last block); a sliced input
+    cannot and is gathered."""
+    x = randn(3, 5, 7, 41, dtype=torch.float16)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "permuted":  # dense, neither format: the output is contiguous, so not flat
+        x = x.permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
+    elif layout == "sliced":
+        x = x[..., ::2]
+    y = tf.transform_tensor(x, dtype=dst, alpha=-0.75)
+    flat = layout in ("contiguous", "channels_last")
+    assert _chosen(x, y) == ("flat" if flat else "gather")
+    assert_close(
+        y, tf.transform_reference(x, -0.75), (x.to(dst) * -0.75).to(dst) if dst != x.dtype else x * -0.75
+    )
+
+
 def test_padding_cropping_and_gradient(poison):
     x = randn(2, 3, 5, 6)
     pad = [1, 2, -1, 3, 0, 1]
@@ -75,6 +101,23 @@ def test_fp8_given_scale_saturates():
     assert torch.equal(q.float()[1:], (x[1:] * 2).to(torch.float8_e4m3fn).float())
     q2, s2, a2 = tf.quantize_fp8(torch.zeros(10, device=DEVICE), margin=1)
     assert s2.item() == 1.0 and a2.item() == 0.0 and bool((q2.float() == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_float_scale_many_blocks_and_nan(dtype):
+    """A float scale (returned as a tensor the kernels write), more blocks than programs (each
+    program loops, the last block partial), NaN kept in q and counted as amax inf."""
+    x = randn(100_003, scale=50.0)
+    q, scale, amax = tf.quantize_fp8(x, 3.0, dtype)
+    assert scale.item() == 3.0 and scale.dtype == torch.float32
+    assert amax.item() == x.abs().max().item()
+    assert torch.equal(q.float(), (x * 3.0).clamp(-tf._fmax(dtype), tf._fmax(dtype)).to(dtype).float())
+    x[77_777] = float("nan")
+    q, scale, amax = tf.quantize_fp8(x, 3.0, dtype)
+    assert amax.item() == float("inf") and bool(q.float()[77_777].isnan())
+    assert tf.quantize_fp8(x[:100], 2, dtype)[1].item() == 2.0  # an int scale, as a float
+    e = tf.quantize_fp8(x[:0], 3.0, dtype)
+    assert e[0].shape == (0,) and e[1].item() == 3.0 and e[2].item() == 0.0
 
 
 @pytest.mark.gpu_only("the fp8 tensors are written by the compiled kernel (no fp8 in the interpreter)")

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.backend import INTERPRET
+from ..core.backend import INTERPRET, multiprocessor_count
 from ..core.checks import FLOAT_DTYPES, check_dtype, check_float, check_tensor
 from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
@@ -131,6 +131,19 @@ def _gather_kernel(
 
 
 @triton.jit
+def _flat_kernel(x_ptr, y_ptr, alpha, numel, ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = alpha * x[i] over the memory of two dense tensors laid out alike (i walks both in
+    order): no index arithmetic, wide loads and stores."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < numel
+    y = alpha * convert(tl.load(x_ptr + idx, mask=mask), ACC)
+    tl.store(y_ptr + idx, convert(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _transpose_kernel(
     x_ptr,
     y_ptr,
@@ -162,28 +175,61 @@ def _transpose_kernel(
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, scale_ptr, q_ptr, amax_ptr, numel, FMAX: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    part_ptr,
+    scale,
+    numel,
+    FMAX: tl.constexpr,
+    SCALE_IN_PTR: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """q = saturate(x * scale) for contiguous x; amax_ptr[0] = max(amax_ptr[0], max |x|) (an
-    atomic max: exact and order-independent, so the result has the same bits every run).
+    """q = saturate(x * scale) for contiguous x; part_ptr[program] = max |x| over the blocks the
+    program took (blocks program, program + programs, ...; the last block masked).
 
-    scale: a one-element fp32 tensor (read on the device: no host synchronization). q: fp8, or
-    fp32 under the interpreter (rounded to fp8 afterwards). NaN inputs stay NaN in q.
+    scale: read from scale_ptr (a one-element fp32 tensor, no host synchronization) when
+    SCALE_IN_PTR, else the float argument. q: fp8, or fp32 under the interpreter (rounded to fp8
+    afterwards). STAGES: blocks in flight (> 1: prefetched through shared memory). NaN inputs
+    stay NaN in q and count as +inf in the partial (where torch.amax would give NaN: inf keeps
+    the partials ordered for ``_amax_kernel``).
     """
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    if SCALE_IN_PTR:
+        s = tl.load(scale_ptr)
+    else:
+        s = scale
     if INDEX_64:
         pid = pid.to(tl.int64)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < numel
-    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scale_ptr)
-    y = x * scale
-    y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
-    tl.store(q_ptr + idx, y.to(q_ptr.dtype.element_ty), mask=mask)
-    ax = tl.abs(x)
-    # NaN is not ordered: taken as +inf so a NaN anywhere shows in amax (as torch.amax's NaN would).
-    ax = tl.where(ax != ax, float("inf"), ax)
-    tl.atomic_max(amax_ptr, tl.max(ax, 0))
+    amax = tl.zeros([BLOCK], tl.float32)
+    for b in tl.range(pid, tl.cdiv(numel, BLOCK), programs, num_stages=STAGES):
+        idx = b * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < numel
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        # max/min that keep NaN (the plain ones would return the bound).
+        y = tl.minimum(
+            tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL),
+            FMAX,
+            propagate_nan=tl.PropagateNan.ALL,
+        )
+        tl.store(q_ptr + idx, y.to(q_ptr.dtype.element_ty), mask=mask)
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    # tl.max may drop NaN: counted as +inf first.
+    amax = tl.where(amax != amax, float("inf"), amax)
+    tl.store(part_ptr + pid, tl.max(amax, 0))
+
+
+@triton.jit
+def _amax_kernel(part_ptr, amax_ptr, scale_ptr, scale, parts, WRITE_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """amax_ptr[0] = max of the ``parts`` partials (one program, parts <= BLOCK); also
+    scale_ptr[0] = scale when WRITE_SCALE (a float scale returned as a tensor without a fill)."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(amax_ptr, tl.max(tl.load(part_ptr + offs, mask=offs < parts, other=0.0), 0))
+    if WRITE_SCALE:
+        tl.store(scale_ptr, scale)
 
 
 @triton.jit
@@ -281,6 +327,46 @@ def _index_64(problem: TransformProblem) -> bool:
         sum((n - 1) * abs(s) for n, s in zip(problem.out_shape, problem.out_strides)),
     )
     return reach + 4096 > 2**31 - 1
+
+
+@FAMILY.register
+class FlatEngine(Engine[TransformProblem]):
+    """Dense input and output with the same layout (a dtype change and/or scaling): one flat pass."""
+
+    name = "flat"
+
+    def not_supported_reasons(self, problem: TransformProblem) -> list[str]:
+        if problem.padded:
+            return ["padding or cropping"]
+        if problem.in_strides != problem.out_strides:
+            return ["input and output layouts differ"]
+        order = sorted(range(len(problem.in_shape)), key=lambda d: -problem.in_strides[d])
+        if problem.in_strides != _dense_strides(problem.in_shape, order):
+            return ["the input is not dense (sliced, expanded or overlapping)"]
+        return []
+
+    def cost(self, problem: TransformProblem) -> float:
+        return 0.5
+
+    def configs(self, problem: TransformProblem) -> list[LaunchConfig]:
+        # H100, 64x256x56x56 bf16 -> fp32: 108.5 us (torch.compile's 108.0) to 109.7 us for all 7 tried.
+        return [
+            {"BLOCK": 1024, "num_warps": 4},
+            {"BLOCK": 4096, "num_warps": 8},
+            {"BLOCK": 8192, "num_warps": 8},
+        ]
+
+    def bind(self, problem: TransformProblem, config: LaunchConfig) -> Callable[..., None]:
+        numel, block = math.prod(problem.in_shape), config["BLOCK"]
+        launch = launcher(
+            _flat_kernel,
+            (cdiv(numel, block),),
+            num_tensors=2,
+            ints=(numel,),
+            constexprs=(_acc(problem), numel + block > 2**31 - 1, block),
+            num_warps=config["num_warps"],
+        )
+        return lambda x, y, alpha, value: launch(x, y, alpha)
 
 
 @FAMILY.register
@@ -537,21 +623,73 @@ def quantize_fp8(
         raise ValueError(f"{name}: argument 'margin'={margin!r} must be a non-negative int")
     x = input.contiguous()
     fmax = _fmax(dtype)
+    if not x.numel():
+        s = _check_scale(name, 1.0 if scale is None else scale, x.device)
+        empty = torch.empty(x.shape, dtype=dtype, device=x.device)
+        return empty, s.reshape(()), torch.zeros((), dtype=torch.float32, device=x.device)
     if scale is None:
-        amax0 = _amax(x) if x.numel() else torch.zeros((1,), dtype=torch.float32, device=x.device)
+        amax0 = _amax(x)
         good = torch.isfinite(amax0) & (amax0 > 0)
         s = torch.where(good, fmax / torch.where(good, amax0, 1.0) / 2.0**margin, 1.0).to(torch.float32)
+        value = 1.0
+    elif isinstance(scale, torch.Tensor):
+        s, value = _check_scale(name, scale, x.device), 1.0
     else:
-        s = _check_scale(name, scale, x.device)
-    amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
+        # A float scale goes to the kernel as an argument; the second launch writes it out.
+        s, value = (
+            torch.empty((1,), dtype=torch.float32, device=x.device),
+            check_float(name, "scale", scale, positive=True),
+        )
+    amax = torch.empty((1,), dtype=torch.float32, device=x.device)
     q_store = torch.empty(x.shape, dtype=torch.float32 if INTERPRET else dtype, device=x.device)
-    if x.numel():
-        _elementwise(_quantize_kernel, x.numel(), 4, (fmax,), (x.dtype, q_store.dtype))(x, s, q_store, amax)
+    scale_in_ptr = scale is None or isinstance(scale, torch.Tensor)
+    _quantizer(x.numel(), fmax, scale_in_ptr, x.dtype, q_store.dtype, QUANTIZE_CONFIG)(
+        x, s, q_store, amax, value
+    )
     q = q_store.to(dtype) if INTERPRET else q_store
     return q, s.reshape(()), amax.reshape(())
 
 
+# The quantize pass: elements per block, warps, programs per SM (each loops over blocks), stages.
+# H100, 16384 x 8192 bf16 -> e4m3: 146 us (93% of a copy), the fastest of 12 configs measured.
+QUANTIZE_CONFIG = (2048, 8, 4, 3)
 _launchers: dict[tuple, Callable[..., None]] = {}
+
+
+def _quantizer(
+    numel: int, fmax: float, scale_in_ptr: bool, x_dtype, q_dtype, config: tuple[int, int, int, int]
+) -> Callable[..., None]:
+    """The cached run of ``_quantize_kernel`` then ``_amax_kernel``: (x, s, q, amax, scale) with
+    ``s`` read (``scale_in_ptr``) or written with ``scale``. A launcher compiles for its first
+    call's dtypes, so they are in the key."""
+    key = ("quantize", numel, fmax, scale_in_ptr, x_dtype, q_dtype, config)
+    run = _launchers.get(key)
+    if run is None:
+        block, warps, per_sm, stages = config
+        programs = max(1, min(cdiv(numel, block), per_sm * multiprocessor_count()))
+        first = launcher(
+            _quantize_kernel,
+            (programs,),
+            num_tensors=4,
+            ints=(numel,),
+            constexprs=(fmax, scale_in_ptr, numel + block > 2**31 - 1, block, stages),
+            num_warps=warps,
+        )
+        second = launcher(
+            _amax_kernel,
+            (1,),
+            num_tensors=3,
+            ints=(programs,),
+            constexprs=(not scale_in_ptr, triton.next_power_of_2(programs)),
+        )
+
+        def run(x, s, q, amax, scale):
+            part = torch.empty((programs,), dtype=torch.float32, device=x.device)
+            first(x, s, q, part, scale)
+            second(part, amax, s, scale)
+
+        _launchers[key] = run
+    return run
 
 
 def _elementwise(fn, numel: int, num_tensors: int, flags: tuple, dtypes: tuple) -> Callable[..., None]:

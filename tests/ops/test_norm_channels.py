@@ -88,26 +88,6 @@ def test_group_norm_channels_last_engines(engine, groups, poison, monkeypatch):
     assert used == {engine}
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU only: the fused engine's programs wait for each other")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize(
-    "shape, groups",
-    [((16, 256, 56, 56), 32), ((5, 64, 33, 17), 64), ((3, 320, 32, 32), 32), ((2, 8, 1, 1), 2)],
-)
-def test_group_norm_fused_engine(shape, groups, dtype, poison):
-    """The one-read channels_last forward (chunks of a sample synchronizing through atomics):
-    chosen by the heuristic, many samples and chunks, a ragged last chunk, a large mean; against
-    float64, and the same bits on a second run."""
-    x = (randn(*shape, scale=3.0) + 40.0).to(dtype).to(memory_format=torch.channels_last)
-    w, b = randn(shape[1]), randn(shape[1])
-    assert G.FAMILY.select(G._describe(x, groups)).engine.name == "fused"
-    y = norm.group_norm(x, groups, w, b, activation="silu")
-    ref = G.group_norm_reference(x, groups, w, b, activation="silu")
-    assert_close(y, ref, F.silu(F.group_norm(x, groups, w.to(dtype), b.to(dtype))), "fused")
-    assert y.stride() == x.stride()
-    assert torch.equal(y, norm.group_norm(x, groups, w, b, activation="silu"))
-
-
 @pytest.mark.parametrize("shape", [(2, 6), (2, 6, 9), (2, 4, 3, 2, 5)])
 def test_group_norm_ranks(shape, poison):
     x, w, b = randn(*shape, scale=2.0), randn(shape[1]), randn(shape[1])

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...core.autocast import FP32, autocast_policy
-from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.backend import multiprocessor_count
 from ...core.checks import check_float, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
@@ -300,26 +300,11 @@ def _split_finalize_kernel(
     spatial, splits, n_channels, n_groups, cpg, stride_n,
     ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
 ):  # fmt: skip
-    """Grid (N,): _finalize_sample for each sample."""
-    _finalize_sample(
-        x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr, eps, tl.program_id(0),
-        spatial, splits, n_channels, n_groups, cpg, stride_n, ACC, HAS_W, BLOCK_G, BLOCK_J, "",
-    )  # fmt: skip
-
-
-@triton.jit
-def _finalize_sample(
-    x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr,
-    eps, n,
-    spatial, splits, n_channels, n_groups, cpg, stride_n,
-    ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
-    CACHE: tl.constexpr,
-):  # fmt: skip
-    """Sample n's group statistics from its channels' partial sums part[n, split, 0 or 1, c]:
-    per channel mean and squared deviations (shift + S/count, SS - S**2/count), merged over a
-    group's channels (Chan et al.). Writes mean and 1/std per (n, group), and per (n, channel)
-    the group mean and w * rstd for the apply step. CACHE: the partials' load cache modifier
-    (".cg" when other programs of the same launch wrote them: L2, never a stale L1 line)."""
+    """Sample n's group statistics from its channels' partial sums: per channel mean and squared
+    deviations (shift + S/count, SS - S**2/count), merged over a group's channels (Chan et al.).
+    Writes mean and 1/std per (n, group), and per (n, channel) the group mean and w * rstd for
+    the apply kernel. Grid: (N,)."""
+    n = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_J)[None, :]
     ch = g * cpg + j
@@ -329,8 +314,8 @@ def _finalize_sample(
     total_sq = tl.zeros([BLOCK_G, BLOCK_J], ACC)
     for k in range(0, splits):  # a fixed order: the same bits on every run
         at = part_ptr + (n * splits + k) * 2 * n_channels + ch
-        total += tl.load(at, mask=m, other=0.0, cache_modifier=CACHE)
-        total_sq += tl.load(at + n_channels, mask=m, other=0.0, cache_modifier=CACHE)
+        total += tl.load(at, mask=m, other=0.0)
+        total_sq += tl.load(at + n_channels, mask=m, other=0.0)
     count = tl.sum(tl.zeros([1], ACC), 0) + spatial  # spatial may be a constexpr (a size of 1)
     mean_c = shift + total / count
     m2_c = tl.where(m, tl.maximum(total_sq - total * total / count, 0.0), 0.0)
@@ -372,63 +357,6 @@ def _split_apply_kernel(
     y = (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * scale
     if HAS_B:
         y = y + convert(tl.load(b_ptr + c, mask=cm, other=0.0), mean.dtype)
-    if ACT >= 0:
-        y = activation_value(y, ACT, act_p0, act_p1)
-    tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fused_forward_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, work_ptr, sync_ptr,
-    eps, act_p0, act_p1,
-    spatial, n_channels, n_groups, cpg, stride_n, stride_s, n_samples, chunks,
-    ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    INDEX_64: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
-):  # fmt: skip
-    """Channels-last forward in one read: program (k, n) holds positions [k * BLOCK_S, (k + 1) *
-    BLOCK_S) of sample n, every channel, in registers; writes its per-channel partial sums; the
-    sample's last program to arrive (an atomic count in sync[n]) finalizes the statistics and
-    raises sync[N + n]; every program then normalizes what it holds. Grid: (chunks, N), the
-    ``chunks`` programs of a sample adjacent so that they run at the same time (the engine
-    requires that they fit on the GPU at once). ``work``: the (N, chunks, 2, C) partials, then
-    the (2, N, C) group mean and scale per channel; ``sync``: 2N zeroed int32."""
-    k = tl.program_id(0)
-    n = tl.program_id(1)
-    c = tl.arange(0, BLOCK_C)
-    cm = c < n_channels
-    pos = k * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]
-    mask = (pos < spatial) & cm[None, :]
-    if INDEX_64:
-        n = n.to(tl.int64)
-        pos = pos.to(tl.int64)
-    base = n * stride_n
-    offs = base + pos * stride_s + c[None, :]
-    shift = convert(tl.load(x_ptr + base + c, mask=cm, other=0.0), ACC)[None, :]  # x[n, :, 0]
-    x = convert(tl.load(x_ptr + offs, mask=mask, other=0.0), ACC)
-    d = tl.where(mask, x - shift, 0.0)
-    part = work_ptr + (n * chunks + k) * 2 * n_channels + c
-    tl.store(part, tl.sum(d, 0), mask=cm)
-    tl.store(part + n_channels, tl.sum(d * d, 0), mask=cm)
-    stats = work_ptr + n_samples * chunks * 2 * n_channels  # (2, N, C): group mean, scale
-    tl.debug_barrier()  # every thread's partials stored before the arrival is released
-    if tl.atomic_add(sync_ptr + n, 1, sem="acq_rel") == chunks - 1:
-        _finalize_sample(
-            x_ptr, work_ptr, w_ptr, mean_ptr, rstd_ptr, stats, stats + n_samples * n_channels, eps, n,
-            spatial, chunks, n_channels, n_groups, cpg, stride_n, ACC, HAS_W, BLOCK_G, BLOCK_J, ".cg",
-        )  # fmt: skip
-        tl.debug_barrier()
-        tl.atomic_xchg(sync_ptr + n_samples + n, 1, sem="release")
-    else:
-        ready = tl.atomic_add(sync_ptr + n_samples + n, 0, sem="acquire")
-        while ready == 0:
-            ready = tl.atomic_add(sync_ptr + n_samples + n, 0, sem="acquire")
-    at = stats + n * n_channels + c
-    cmean = tl.load(at, mask=cm, other=0.0, cache_modifier=".cg")[None, :]
-    cscale = tl.load(at + n_samples * n_channels, mask=cm, other=0.0, cache_modifier=".cg")
-    y = (x - cmean) * cscale[None, :]
-    if HAS_B:
-        y = y + convert(tl.load(b_ptr + c, mask=cm, other=0.0), ACC)[None, :]
     if ACT >= 0:
         y = activation_value(y, ACT, act_p0, act_p1)
     tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
@@ -691,80 +619,6 @@ class SplitEngine(Engine[GroupNormProblem]):
             stats(x, part)
             finalize(x, part, w, mean, rstd, cmean, cscale, eps)
             apply(x, cmean, cscale, b, y, p0, p1)
-
-        return forward
-
-
-@FAMILY.register
-class FusedEngine(Engine[GroupNormProblem]):
-    """Channels-last forward reading x once: a sample's position chunks run together, each holding
-    its chunk in registers while the last to finish its partial sums finalizes the statistics for
-    all (see _fused_forward_kernel). The split engine reads x twice."""
-
-    name = "fused"
-
-    @staticmethod
-    def _limit() -> int:
-        """Most chunks a sample may have: half the multiprocessors, so that a sample's programs,
-        which wait for each other, always fit on the GPU at once."""
-        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return multiprocessor_count(device) // 2
-
-    def not_supported_reasons(self, problem: GroupNormProblem) -> list[str]:
-        reasons = []
-        if problem.backward:
-            reasons.append("a forward algorithm")
-        if not problem.channels_last:
-            reasons.append("reads rows of contiguous channels (channels_last)")
-        if problem.channels > SPLIT_MAX_CHANNELS:
-            reasons.append(f"{problem.channels} channels exceed a row tile of {SPLIT_MAX_CHANNELS}")
-        if INTERPRET:
-            reasons.append("a sample's programs wait for each other: they must run at once (not interpreted)")
-        elif not reasons and not self.configs(problem):
-            reasons.append(f"{problem.spatial} positions need more chunks than {self._limit()}")
-        return reasons
-
-    def cost(self, problem: GroupNormProblem) -> float:
-        return 0.3
-
-    def configs(self, problem: GroupNormProblem) -> list[LaunchConfig]:
-        c = triton.next_power_of_2(problem.channels)
-        positions = triton.next_power_of_2(problem.spatial)
-        out = []
-        for tile, warps in ((16384, 8), (8192, 4), (16384, 16), (32768, 16)):
-            block_s = max(1, min(tile // c, positions))
-            config = {"BLOCK_S": block_s, "num_warps": warps}
-            if cdiv(problem.spatial, block_s) <= self._limit() and config not in out:
-                out.append(config)
-        return out
-
-    def bind(self, problem: GroupNormProblem, config: LaunchConfig) -> Callable[..., None]:
-        p = problem
-        block_s = config["BLOCK_S"]
-        chunks = cdiv(p.spatial, block_s)
-        run = launcher(
-            _fused_forward_kernel,
-            (chunks, p.n),
-            8,
-            (p.spatial, p.channels, p.groups, p.cpg, p.strides[0], p.strides[2], p.n, chunks),
-            (
-                p.acc,
-                p.has_w,
-                p.has_b,
-                p.act,
-                p.n * p.strides[0] > 2**31 - 1,
-                block_s,
-                triton.next_power_of_2(p.channels),
-                triton.next_power_of_2(p.groups),
-                triton.next_power_of_2(p.cpg),
-            ),
-            num_warps=config["num_warps"],
-        )
-        work = p.n * chunks * 2 * p.channels + 2 * p.n * p.channels  # partials, then mean and scale
-
-        def forward(x, w, b, y, mean, rstd, eps, p0, p1) -> None:
-            sync = torch.zeros(2 * p.n, dtype=torch.int32, device=x.device)
-            run(x, w, b, y, mean, rstd, mean.new_empty(work), sync, eps, p0, p1)
 
         return forward
 

@@ -66,6 +66,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def rows_view(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """``t`` as (rows, n_cols) with unit column stride: a view where the layout allows (contiguous
     trailing dimensions, mergeable leading ones), a contiguous copy otherwise."""
+    if t.dim() == 2 and t.shape[1] == n_cols and t.stride(1) == 1:
+        return t  # already rows: skip reshape's dispatch (host time on every call)
     v = t.reshape(-1, n_cols)
     return v if v.stride(-1) == 1 or n_cols == 1 else v.contiguous()
 

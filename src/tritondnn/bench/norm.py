@@ -94,6 +94,19 @@ def cases(quick: bool) -> Iterator[Case]:
         bytes=4 * x.nbytes,
     )
     del x, out, r
+    # The forward+backward rows time the host too when it issues a step more slowly than the GPU
+    # runs it: the same steps on a small tensor give each provider's host time per call.
+    xs = torch.randn(64, 256, device=DEVICE_TYPE, dtype=BF16, requires_grad=True)
+    ws, bs = (torch.randn(256, device=DEVICE_TYPE, dtype=BF16, requires_grad=True) for _ in range(2))
+    dys = torch.randn_like(xs)
+    yield Case(
+        "layer_norm 64x256 bf16 fwd+bwd host-overhead",
+        providers(
+            tritondnn=partial(_fwd_bwd, lambda x, w, b: norm.layer_norm(x, 256, w, b), xs, (ws, bs), dys),
+            torch=partial(_fwd_bwd, lambda x, w, b: F.layer_norm(x, (256,), w, b), xs, (ws, bs), dys),
+        ),
+        host=True,
+    )
     if quick:
         return
     img = torch.randn(*image, device=DEVICE_TYPE, dtype=BF16)
@@ -139,3 +152,25 @@ def cases(quick: bool) -> Iterator[Case]:
             return F.silu(F.group_norm(x, groups, w.to(x.dtype), b.to(x.dtype)))
 
         yield from _pair(f"group_norm {groups}+silu {label}", gn_silu, gn_silu_ref, t, (wc, bc))
+    small = torch.randn(2, 32, 4, 4, device=DEVICE_TYPE, dtype=BF16, requires_grad=True)
+    ws, bs = (torch.randn(32, device=DEVICE_TYPE, requires_grad=True) for _ in range(2))
+    yield Case(
+        "batch_norm train 2x32x4x4 bf16 NCHW fwd+bwd host-overhead",
+        providers(
+            tritondnn=partial(
+                _fwd_bwd,
+                lambda x, w, b: norm.batch_norm(x, None, None, w, b, True),
+                small,
+                (ws, bs),
+                small.detach(),
+            ),
+            torch=partial(
+                _fwd_bwd,
+                lambda x, w, b: F.batch_norm(x, None, None, w.to(x.dtype), b.to(x.dtype), True),
+                small,
+                (ws, bs),
+                small.detach(),
+            ),
+        ),
+        host=True,
+    )

@@ -92,6 +92,28 @@ def compiled(fn: Callable, *args: object) -> Callable[[], object] | None:
     return functools.partial(torch.compile(fn), *args)
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
+    """``fn`` captured in a CUDA graph, as its replay: the device work of a call with no host work
+    per call (what a training step captured in a graph runs). None under the interpreter, or
+    where ``fn`` cannot be captured (the failure is printed)."""
+    if INTERPRET:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # warm up (compiles, plans, allocator pools) off the capture
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"  (not captured in a CUDA graph: {type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    return graph.replay
+
+
 def _time(case: Case, fn: Callable[[], object]) -> float:
     if case.host:
         return host_us_per_call(fn, calls=20 if INTERPRET else 2000, rounds=3 if INTERPRET else 7) / 1e3

@@ -111,6 +111,28 @@ def test_paths(shape, dim, engine, dtype, poison):
     assert torch.equal(rd.reduce_tensor(x, "add", dim), rd.reduce_tensor(x, "add", dim)), "deterministic"
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_split_rows_interleaved_or_in_chunks(interleave, monkeypatch, poison):
+    """Both ways of handing a long row's tiles to its splits give the reference's values and
+    torch's indices (the heuristic takes interleaved tiles; chunks are a timed candidate)."""
+    split = next(e for e in rd.FAMILY.engines if e.name == "split")
+    configs = type(split).configs
+    monkeypatch.setattr(
+        type(split),
+        "configs",
+        lambda self, p: [c for c in configs(self, p) if c.get("INTERLEAVE", True) == interleave],
+    )
+    monkeypatch.setattr(rd.FAMILY, "_plans", {})
+    monkeypatch.setattr(rd.FAMILY, "_chosen", {})
+    x = randn(2, 20000)
+    x[1, 15000] = 9.0  # the maximum in a late tile of the second row
+    assert _chosen(x, "add", 1) == "split"
+    for op in ("add", "norm2"):
+        assert_close(rd.reduce_tensor(x, op, 1), rd.reduce_reference(x, op, (1,)), None, op)
+    values, indices = rd.reduce_tensor(x, "max", 1, return_indices=True)
+    assert torch.equal(values, x.max(1).values) and torch.equal(indices, x.argmax(1))
+
+
 @pytest.mark.parametrize("shape,columns", [((3, 5000), False), ((3, 20000), False), ((300, 200), True)])
 def test_indices_ties_nan_inf_across_tiles(shape, columns):
     """Ties and NaN in later tiles or splits, rows of only -inf/+inf: torch.max/min's indices."""

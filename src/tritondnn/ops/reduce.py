@@ -475,9 +475,9 @@ class SplitEngine(Engine[ReduceProblem]):
     """Few rows: each split over several programs (PER_SM programs per SM in all, up to
     MAX_SPLITS a row) writing fp32 (fp64) partials, which a second launch combines in order (no
     atomics: the same bits on every run on a given GPU model; the split count follows its SM
-    count). Rows split into contiguous chunks of tiles; columns into interleaved tiles, so the
-    programs running at once read one band of rows (measured on an H100, 8192 columns of 16384:
-    106 us interleaved, 114 us in chunks; a 2**27-element row: the other way round)."""
+    count). Splits take interleaved tiles (INTERLEAVE; columns always), so the programs running at
+    once read one band of the input, or contiguous chunks (measured on an H100: 8192 columns of
+    16384, 106 us interleaved against 114 in chunks; a 2**27-element row, 113.0 against 115.6)."""
 
     name = "split"
 
@@ -494,10 +494,14 @@ class SplitEngine(Engine[ReduceProblem]):
         if _columns(problem):  # 16384 x 8192 over dim 0
             shapes = [(128, 32, 4, 1, 8), (128, 64, 4, 3, 8), (64, 64, 4, 3, 8)]
         else:
-            # 2**27 elements on an H100, one run: 1056 programs in 1024-element tiles, 4 stages,
-            # 119.5 us (76% of a copy); in one-stage 8192-element tiles, 151 us (113 us in another
-            # run); 8192 programs of 32 KB, 138 us.
-            shapes = [(1, 1024, 4, 4, 8), (1, 8192, 8, 1, 8), (1, 8192, 8, 1, 64)]
+            # 2**27 elements (norm2) on an H100, one run: 8192 splits of interleaved 1024-element
+            # tiles, 113.0 us (80% of a copy, torch 113.0); in contiguous chunks, 115.6; 1056
+            # splits, 118.6 interleaved and 119.5 in chunks; one-stage 8192-element tiles, 125-151.
+            return [
+                {**_fit(problem, 1, 1024, 4, 4, 64), "INTERLEAVE": True},
+                {**_fit(problem, 1, 1024, 4, 4, 8), "INTERLEAVE": False},
+                {**_fit(problem, 1, 8192, 8, 1, 8), "INTERLEAVE": False},
+            ]
         return [_fit(problem, *shape) for shape in shapes]
 
     def bind(self, problem: ReduceProblem, config: LaunchConfig) -> Callable[..., None]:
@@ -507,7 +511,7 @@ class SplitEngine(Engine[ReduceProblem]):
         # At least a tile per split; the partials' offsets stay within 32 bits.
         limit = min(tiles, MAX_SPLITS, (2**31 - 1) // max(problem.M, 1))
         splits = max(1, min(cdiv(target, cdiv(problem.M, bm)), limit))
-        if _columns(problem):
+        if config.get("INTERLEAVE", _columns(problem)):
             tiling = (1, tiles, splits)
         else:
             per = cdiv(tiles, splits)

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from ...core.autocast import FP32, autocast_policy
-from ...core.backend import multiprocessor_count
 from ...core.checks import check_float, check_tensor
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
@@ -252,116 +251,6 @@ def _backward_kernel(
         tl.store(db_ptr + n * n_channels + channel, db_c, mask=ch_mask)
 
 
-# Channels-last forward in three steps, like batch norm's: per-channel partial sums of each
-# sample over slices of its positions (rows of C contiguous channels, fully coalesced), a
-# per-sample finalize merging them into group statistics, and an elementwise apply.
-
-
-@triton.jit
-def _split_stats_kernel(
-    x_ptr, part_ptr,
-    spatial, rows_per_split, n_channels, stride_n, stride_s,
-    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Sums of (x - shift) and its square per channel over this program's positions of sample n,
-    shift = x[n, c, position 0] (keeps the variance's digits for large means), into
-    part[n, split, 0 or 1, c]. Channels are contiguous (stride 1). Grid: (splits, N)."""
-    split = tl.program_id(0)
-    n = tl.program_id(1)
-    splits = tl.num_programs(0)
-    if INDEX_64:
-        n = n.to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    cm = c < n_channels
-    base = x_ptr + n * stride_n
-    shift = convert(tl.load(base + c, mask=cm, other=0.0), ACC)[None, :]
-    acc = tl.zeros([BLOCK_S, BLOCK_C], ACC)
-    acc_sq = tl.zeros([BLOCK_S, BLOCK_C], ACC)
-    start = split * rows_per_split
-    end = tl.minimum(start + rows_per_split, spatial)
-    for s0 in range(start, end, BLOCK_S):
-        pos = s0 + tl.arange(0, BLOCK_S)[:, None]
-        mask = (pos < end) & cm[None, :]
-        if INDEX_64:
-            pos = pos.to(tl.int64)
-        x = convert(tl.load(base + pos * stride_s + c[None, :], mask=mask, other=0.0), ACC)
-        d = tl.where(mask, x - shift, 0.0)
-        acc += d
-        acc_sq += d * d
-    out = part_ptr + (n * splits + split) * 2 * n_channels + c
-    tl.store(out, tl.sum(acc, 0), mask=cm)
-    tl.store(out + n_channels, tl.sum(acc_sq, 0), mask=cm)
-
-
-@triton.jit
-def _split_finalize_kernel(
-    x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr,
-    eps,
-    spatial, splits, n_channels, n_groups, cpg, stride_n,
-    ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
-):  # fmt: skip
-    """Sample n's group statistics from its channels' partial sums: per channel mean and squared
-    deviations (shift + S/count, SS - S**2/count), merged over a group's channels (Chan et al.).
-    Writes mean and 1/std per (n, group), and per (n, channel) the group mean and w * rstd for
-    the apply kernel. Grid: (N,)."""
-    n = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_J)[None, :]
-    ch = g * cpg + j
-    m = (g < n_groups) & (j < cpg)
-    shift = convert(tl.load(x_ptr + n.to(tl.int64) * stride_n + ch, mask=m, other=0.0), ACC)
-    total = tl.zeros([BLOCK_G, BLOCK_J], ACC)
-    total_sq = tl.zeros([BLOCK_G, BLOCK_J], ACC)
-    for k in range(0, splits):  # a fixed order: the same bits on every run
-        at = part_ptr + (n * splits + k) * 2 * n_channels + ch
-        total += tl.load(at, mask=m, other=0.0)
-        total_sq += tl.load(at + n_channels, mask=m, other=0.0)
-    count = tl.sum(tl.zeros([1], ACC), 0) + spatial  # spatial may be a constexpr (a size of 1)
-    mean_c = shift + total / count
-    m2_c = tl.where(m, tl.maximum(total_sq - total * total / count, 0.0), 0.0)
-    mean_g = tl.sum(tl.where(m, mean_c, 0.0), 1) / cpg
-    dev = tl.where(m, mean_c - mean_g[:, None], 0.0)
-    var = (tl.sum(m2_c, 1) + count * tl.sum(dev * dev, 1)) / (cpg * count)
-    rstd = 1.0 / tl.sqrt(var + eps)
-    gm = tl.arange(0, BLOCK_G) < n_groups
-    tl.store(mean_ptr + n * n_groups + tl.arange(0, BLOCK_G), mean_g, mask=gm)
-    tl.store(rstd_ptr + n * n_groups + tl.arange(0, BLOCK_G), rstd, mask=gm)
-    scale = tl.broadcast_to(rstd[:, None], [BLOCK_G, BLOCK_J])
-    if HAS_W:
-        scale = scale * convert(tl.load(w_ptr + ch, mask=m, other=0.0), ACC)
-    tl.store(cmean_ptr + n * n_channels + ch, tl.broadcast_to(mean_g[:, None], [BLOCK_G, BLOCK_J]), mask=m)
-    tl.store(cscale_ptr + n * n_channels + ch, scale, mask=m)
-
-
-@triton.jit
-def _split_apply_kernel(
-    x_ptr, cmean_ptr, cscale_ptr, b_ptr, y_ptr,
-    act_p0, act_p1,
-    spatial, n_channels, stride_n, stride_s,
-    HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """y = act((x - mean[n, c]) * scale[n, c] + b[c]) on a [BLOCK_S, BLOCK_C] tile of sample n.
-    Grid: (position blocks, N)."""
-    n = tl.program_id(1)
-    pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]
-    c = tl.arange(0, BLOCK_C)[None, :]
-    cm = c < n_channels
-    mask = (pos < spatial) & cm
-    if INDEX_64:
-        n = n.to(tl.int64)
-        pos = pos.to(tl.int64)
-    mean = tl.load(cmean_ptr + n * n_channels + c, mask=cm, other=0.0)
-    scale = tl.load(cscale_ptr + n * n_channels + c, mask=cm, other=0.0)
-    offs = n * stride_n + pos * stride_s + c
-    y = (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * scale
-    if HAS_B:
-        y = y + convert(tl.load(b_ptr + c, mask=cm, other=0.0), mean.dtype)
-    if ACT >= 0:
-        y = activation_value(y, ACT, act_p0, act_p1)
-    tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------
 # 3. Engines.
 
@@ -541,87 +430,8 @@ class LoopedEngine(_GroupEngine):
         return [(1, max(1, t // block_c)) for t in tiles]
 
 
-# Widest channel row the split engine keeps in one tile.
-SPLIT_MAX_CHANNELS = 2048
-
-
-@FAMILY.register
-class SplitEngine(Engine[GroupNormProblem]):
-    """Channels-last forward: statistics, finalize and apply kernels over full channel rows (the
-    other engines read a group's few channels per position, a fraction of each memory sector)."""
-
-    name = "split"
-
-    def not_supported_reasons(self, problem: GroupNormProblem) -> list[str]:
-        reasons = []
-        if problem.backward:
-            reasons.append("a forward algorithm")
-        if not problem.channels_last:
-            reasons.append("reads rows of contiguous channels (channels_last)")
-        if problem.channels > SPLIT_MAX_CHANNELS:
-            reasons.append(f"{problem.channels} channels exceed a row tile of {SPLIT_MAX_CHANNELS}")
-        return reasons
-
-    def cost(self, problem: GroupNormProblem) -> float:
-        return 0.5
-
-    def configs(self, problem: GroupNormProblem) -> list[LaunchConfig]:
-        c = triton.next_power_of_2(problem.channels)
-        positions = triton.next_power_of_2(problem.spatial)
-        out = []
-        for tile, per_sm in ((4096, 4), (8192, 4), (4096, 8), (2048, 8)):
-            config = {"BLOCK_S": max(1, min(tile // c, positions)), "PER_SM": per_sm}
-            if config not in out:
-                out.append(config)
-        return out
-
-    def bind(self, problem: GroupNormProblem, config: LaunchConfig) -> Callable[..., None]:
-        p = problem
-        block_s, block_c = config["BLOCK_S"], triton.next_power_of_2(p.channels)
-        index_64 = p.n * p.strides[0] > 2**31 - 1
-        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        splits = max(1, min(cdiv(p.spatial, block_s), config["PER_SM"] * multiprocessor_count(device) // p.n))
-        rows_per_split = cdiv(cdiv(p.spatial, splits), block_s) * block_s
-        splits = cdiv(p.spatial, rows_per_split)
-        stride_n, stride_s = p.strides[0], p.strides[2]
-        warps = 4 if block_s * block_c <= 4096 else 8
-        stats = launcher(
-            _split_stats_kernel,
-            (splits, p.n),
-            2,
-            (p.spatial, rows_per_split, p.channels, stride_n, stride_s),
-            (p.acc, index_64, block_s, block_c),
-            num_warps=warps,
-        )
-        block_j = triton.next_power_of_2(p.cpg)
-        finalize = launcher(
-            _split_finalize_kernel,
-            (p.n,),
-            7,
-            (p.spatial, splits, p.channels, p.groups, p.cpg, stride_n),
-            (p.acc, p.has_w, triton.next_power_of_2(p.groups), block_j),
-            num_warps=4,
-        )
-        apply = launcher(
-            _split_apply_kernel,
-            (cdiv(p.spatial, block_s), p.n),
-            5,
-            (p.spatial, p.channels, stride_n, stride_s),
-            (p.has_b, p.act, index_64, block_s, block_c),
-            num_warps=warps,
-        )
-        part_shape, channel_shape = (p.n, splits, 2, p.channels), (2, p.n, p.channels)
-
-        def forward(x, w, b, y, mean, rstd, eps, p0, p1) -> None:
-            part = mean.new_empty(part_shape)
-            per_channel = mean.new_empty(channel_shape)  # the group mean and the scale, per (n, c)
-            cmean, cscale = per_channel
-            stats(x, part)
-            finalize(x, part, w, mean, rstd, cmean, cscale, eps)
-            apply(x, cmean, cscale, b, y, p0, p1)
-
-        return forward
-
+# The channels_last forward's split engine (statistics, finalize, apply) lives in group_split.py.
+from . import group_split  # noqa: E402, F401  (registers the engine on FAMILY)
 
 # ---------------------------------------------------------------------------------------------
 # 4. torch.library ops and autograd.

@@ -102,6 +102,25 @@ def _sample(
 
 
 @triton.jit
+def _coords(C, D, H, W, INDEX_64: tl.constexpr, PLANE: tl.constexpr, BLOCK_A: tl.constexpr,
+            BLOCK_B: tl.constexpr):  # fmt: skip
+    """Each lane's element of a (D, H, W) grid of C channels: n, c, d, h, w, the tile mask and
+    whether d, h and w are in range. [BLOCK_A, BLOCK_B] tiles are [rows x columns] of a plane
+    when PLANE, else [positions x channels]."""
+    if PLANE:
+        n, c, d, h, w, mask = plane_tile(C, D, H, W, INDEX_64, BLOCK_A, BLOCK_B)
+        ok_d, ok_h, ok_w = d < D, h < H, w < W
+    else:
+        P = D * H * W
+        p, c, n, mask = tile(C, P, INDEX_64, BLOCK_A, BLOCK_B)
+        d, h, w = split(p, H, W)
+        ok_d = p < P
+        ok_h = ok_d
+        ok_w = ok_d
+    return n, c, d, h, w, mask, ok_d, ok_h, ok_w
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr, y_ptr, itab_ptr, wtab_ptr,
     C, ID, IH, IW, OD, OH, OW,
@@ -110,18 +129,8 @@ def _forward_kernel(
     ACC: tl.constexpr, INDEX_64: tl.constexpr, PLANE: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """One output element per lane; [BLOCK_A, BLOCK_B] tiles are [rows x columns] of a plane
-    when PLANE, else [positions x channels]."""
-    if PLANE:
-        n, c, od, oh, ow, mask = plane_tile(C, OD, OH, OW, INDEX_64, BLOCK_A, BLOCK_B)
-        ok_d, ok_h, ok_w = od < OD, oh < OH, ow < OW
-    else:
-        P = OD * OH * OW
-        p, c, n, mask = tile(C, P, INDEX_64, BLOCK_A, BLOCK_B)
-        od, oh, ow = split(p, OH, OW)
-        ok_d = p < P
-        ok_h = ok_d
-        ok_w = ok_d
+    """One output element per lane; tiles as _coords makes them."""
+    n, c, od, oh, ow, mask, ok_d, ok_h, ok_w = _coords(C, OD, OH, OW, INDEX_64, PLANE, BLOCK_A, BLOCK_B)
     v = _sample(
         x_ptr + n * xs_n + c * xs_c, od, oh, ow, ok_d, ok_h, ok_w, mask, itab_ptr, wtab_ptr,
         OD, OH, OW, xs_d, xs_h, xs_w, LIN_D, LIN_H, LIN_W, ACC,
@@ -163,17 +172,8 @@ def _backward_kernel(
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     """One input element per lane: the sum of dy times its weight over the outputs reading it.
-    Tiles as in ``_forward_kernel``, over the input; UNROLL: the runs' outputs unroll."""
-    if PLANE:
-        n, c, i_d, i_h, i_w, mask = plane_tile(C, ID, IH, IW, INDEX_64, BLOCK_A, BLOCK_B)
-        in_d, in_h, in_w = i_d < ID, i_h < IH, i_w < IW
-    else:
-        P = ID * IH * IW
-        p, c, n, mask = tile(C, P, INDEX_64, BLOCK_A, BLOCK_B)
-        i_d, i_h, i_w = split(p, IH, IW)
-        in_d = p < P
-        in_h = in_d
-        in_w = in_d
+    Tiles as _coords makes them, over the input; UNROLL: the runs' outputs unroll."""
+    n, c, i_d, i_h, i_w, mask, in_d, in_h, in_w = _coords(C, ID, IH, IW, INDEX_64, PLANE, BLOCK_A, BLOCK_B)
     first = itab_ptr + 2 * (OD + OH + OW)
     fd = tl.load(first + i_d, mask=in_d, other=0)
     fh = tl.load(first + ID + i_h, mask=in_h, other=0)

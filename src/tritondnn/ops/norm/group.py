@@ -577,9 +577,8 @@ def _group_norm(
     eps = check_eps(op, eps)
     act, p0, p1 = activation_kind(activation, op)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
-        if stats:
-            return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1, True)
-        return _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1, False), None, None
+        out = _GroupNormFunction.apply(input, weight, bias, num_groups, eps, act, p0, p1, stats)
+        return out if stats else (out, None, None)
     return _forward(input, weight, bias, num_groups, eps, act, p0, p1)
 
 

@@ -6,6 +6,8 @@ test_attention_options.py, which reuses ``check`` from here."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -316,7 +318,12 @@ def _args(**over):
         ({"softcap": -1.0}, ValueError, "softcap"),
         ({"alibi_slopes": rand(3)}, ValueError, "alibi"),
         ({"sinks": rand(2)}, ValueError, "sinks"),
-        ({"seqlens_q": torch.tensor([3, 9], device=DEVICE)}, ValueError, "outside"),
+        pytest.param(
+            {"seqlens_q": torch.tensor([3, 9], device=DEVICE)},
+            ValueError,
+            "outside",
+            marks=pytest.mark.skipif(ON_GPU, reason="a device-side assert on a GPU (test_device_values)"),
+        ),
         ({"seqlens_kv": torch.tensor([3], device=DEVICE)}, ValueError, "entries"),
         ({"descale_q": 2.0}, ValueError, "fp8"),
         ({"query": rand(2, 4, 8, 32).to(torch.float8_e4m3fn)}, TypeError, "share a dtype"),
@@ -325,6 +332,27 @@ def _args(**over):
 def test_bad_input(over, error, match):
     with pytest.raises(error, match=match):
         sdpa(**_args(**over))
+
+
+@pytest.mark.gpu_only("device-side checks of device values")
+@pytest.mark.parametrize("bad", ["seqlens_kv", "block_table"])
+def test_device_values(bad):
+    """Lengths and page indices on the GPU are checked there (no host sync per call): a bad value
+    ends the process with the message, so the call runs in a child process."""
+    call = {
+        "seqlens_kv": "sdpa(q, k, k, seqlens_kv=torch.tensor([3, 99], device='cuda'))",
+        "block_table": "sdpa(q, k.view(8, 16, 1, 32), k.view(8, 16, 1, 32), "
+        "block_table=torch.tensor([[0, 9], [1, 2]], device='cuda'))",
+    }[bad]
+    script = (
+        "import torch\nfrom tritondnn.ops.attention import sdpa\n"
+        "q = torch.randn(2, 1, 3, 32, device='cuda', dtype=torch.float16)\n"
+        "k = torch.randn(2, 1, 64, 32, device='cuda', dtype=torch.float16)\n"
+        f"{call}\ntorch.cuda.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "outside their range" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter has no fp8; on a GPU fp8 runs")

@@ -10,7 +10,9 @@ from test_attention_core import check, rand, ref_bhsd
 
 import tritondnn as tdnn
 from helpers import DEVICE, assert_close
+from tritondnn.ops import attention as att
 from tritondnn.ops.attention import dropout_keep_mask, sdpa, sdpa_backward, sdpa_reference
+from tritondnn.ops.attention.forward import bind_keys_last
 
 QKV = lambda b=1, hq=2, hkv=1, sq=37, skv=45, d=32, dtype=torch.float16: {
     "q": rand(b, hq, sq, d, dtype=dtype),
@@ -180,24 +182,30 @@ def test_decode(sq, hq, hkv, opts, poison):
     assert_close(lse, rl, None, "decode lse")
 
 
-@pytest.mark.parametrize("sq", [2, 40])
-def test_paged_kv_cache(sq, poison):
-    """Decode (split-KV) and prefill (flash forward) through a block table of 16-row pages."""
-    b, hq, hkv, d, page = 2, 4, 2, 32, 16
+@pytest.mark.parametrize(
+    "sq, page, lengths", [(2, 16, True), (2, 24, False), (40, 16, True), (40, 16, False)]
+)
+def test_paged_kv_cache(sq, page, lengths, poison):
+    """Decode (split-KV) and prefill (flash forward) through a block table, with and without
+    per-batch lengths; 24-row pages put block and split boundaries inside pages."""
+    b, hq, hkv, d = 2, 4, 2, 32
     k_cache, v_cache = rand(10, page, hkv, d), rand(10, page, hkv, d)
     table = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 4]], device=DEVICE)
-    lens = torch.tensor([50, 23], device=DEVICE)
+    lens = torch.tensor([50, 23], device=DEVICE) if lengths else None
     q = rand(b, hq, sq, d)
     out = sdpa(q, k_cache, v_cache, block_table=table, seqlens_kv=lens, is_causal=True,
                causal_alignment="bottom_right", enable_gqa=True)  # fmt: skip
     dense_k = k_cache[table].reshape(b, -1, hkv, d).transpose(1, 2)
     dense_v = v_cache[table].reshape(b, -1, hkv, d).transpose(1, 2)
-    ref, _ = sdpa_reference(q, dense_k, dense_v, seqlens_kv=lens.tolist(), is_causal=True, bottom_right=True)
+    ref, _ = sdpa_reference(
+        q, dense_k, dense_v, seqlens_kv=lens.tolist() if lengths else None, is_causal=True, bottom_right=True
+    )
     assert_close(out, ref, None, f"paged sq={sq}")
     with pytest.raises(ValueError, match="forward-only"):
         sdpa(q.requires_grad_(), k_cache, v_cache, block_table=table, enable_gqa=True)
-    with pytest.raises(ValueError, match="pages outside"):
-        sdpa(q, k_cache, v_cache, block_table=table + 7, enable_gqa=True)
+    if DEVICE == "cpu":  # on a GPU a bad page is a device-side assert, which ends the process
+        with pytest.raises(ValueError, match="pages outside"):
+            sdpa(q, k_cache, v_cache, block_table=table + 7, enable_gqa=True)
 
 
 def test_dropout_replay(poison):
@@ -252,6 +260,20 @@ def test_bad_packed_input(opts, match):
     opts = {n: torch.tensor(x, device=DEVICE) for n, x in opts.items()}
     with pytest.raises(ValueError, match=match):
         sdpa(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fp8_value_transpose(layout):
+    """The keys-contiguous copy of V that fp8 products read (fp16 here: the interpreter has no fp8):
+    every key and head dim in place, keys padded to 16, for both layouts' strides."""
+    b, h, s, d = 2, 3, 37, 80
+    v = rand(b, h, s, d, dtype=torch.float16)
+    v_in = v if layout == "bhsd" else v.transpose(1, 2).contiguous()
+    problem = att._describe(v_in, v_in, v_in, layout=layout)
+    t = torch.full((b, h, d, 48), float("nan"), device=DEVICE, dtype=torch.float16)
+    bind_keys_last(problem)(v if layout == "bhsd" else v_in.transpose(1, 2), t)
+    assert torch.equal(t[..., :s], v.transpose(2, 3))
+    assert t[..., s:].isnan().all()  # padding left alone (the descriptor reads zeros past the keys)
 
 
 @pytest.mark.gpu_only("fp8 e4m3 needs Hopper-class tensor cores (no fp8 in the interpreter)")

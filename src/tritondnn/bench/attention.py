@@ -1,5 +1,6 @@
 """Attention benchmarks (issues 8 and 9): tdnn.sdpa against PyTorch's flash (FlashAttention-2) and
-cuDNN SDPA backends, bf16 BHSD, forward, backward and a GPT-style training step, plus decode.
+cuDNN SDPA backends, bf16 BHSD, forward, backward and a GPT-style training step, plus decode and
+the fp8 forward (against our bf16).
 
 TFLOP/s count 4 * B * H * Sq * Skv * D per forward (halved for causal); the backward counts 2.5x
 the forward, fwd+bwd 3.5x. Decode cases are memory-bound: GB/s count the KV cache read once.
@@ -92,6 +93,14 @@ def cases(quick: bool) -> Iterator[Case]:
                 ),
                 flops=int(flops),
             )
+            if d == 128 and not INTERPRET:  # fp8 e4m3 forward (the bar: 1.4x our bf16 row above)
+                q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+                yield Case(
+                    f"{label.replace('bf16', 'fp8')} fwd",
+                    {"tritondnn": partial(sdpa, q8, k8, v8, is_causal=causal)},
+                    flops=int(flops),
+                )
+                del q8, k8, v8
             qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
             do = torch.randn_like(q)
             bwd = {"tritondnn": _bwd(sdpa, qg, kg, vg, causal, do)}

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 from .backend import DEVICE_TYPE, ON_DEVICE_ATTR, backend
 
@@ -98,3 +100,39 @@ def check_dtype(
     if value not in dtypes:
         raise TypeError(f"{op}: argument '{name}'={value}; accepted: {_names(dtypes)}")
     return value  # type: ignore[return-value]
+
+
+@triton.jit(debug=True)  # debug keeps the assert in the compiled kernel
+def _in_range_kernel(x_ptr, n, low, high, MESSAGE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=low)
+    tl.device_assert((x >= low) & (x <= high), MESSAGE)
+
+
+def check_values(op: str, name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Every value of the integer tensor ``t`` lies in [low, high].
+
+    A host tensor is read here (ValueError). A device tensor is checked on the device, as PyTorch
+    checks device indices: reading it back would stall every call until the GPU caught up (a
+    decode step takes ~100 us) and cannot happen during CUDA graph capture. A bad value there is
+    a device-side assert naming ``op``, ``name`` and ``what``, reported at the next synchronization.
+    """
+    if not t.numel():
+        return
+    message = f"{op}: argument '{name}' has {what} outside [{low}, {high}]"
+    if t.device.type == "cpu":
+        if int(t.min()) < low or int(t.max()) > high:
+            raise ValueError(message)
+        return
+    flat = t.reshape(-1)
+    block = 1024
+    # The limits stay runtime arguments, so the message names the range without the numbers
+    # (one compiled kernel per op and argument, not per limit).
+    _in_range_kernel[(triton.cdiv(flat.numel(), block),)](
+        flat,
+        flat.numel(),
+        low,
+        high,
+        MESSAGE=f"{op}: argument '{name}' has {what} outside their range",
+        BLOCK=block,
+    )

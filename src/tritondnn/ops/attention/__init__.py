@@ -18,7 +18,7 @@ import torch
 
 from ...core.autocast import LOWER, autocast_policy
 from ...core.backend import INTERPRET
-from ...core.checks import check_choice, check_float, check_tensor
+from ...core.checks import check_choice, check_float, check_tensor, check_values
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig
 from ...core.library import custom_op
@@ -498,10 +498,7 @@ def _lengths(op, name, t, batch, limit):
         raise ValueError(
             f"{op}: argument '{name}' has {t.shape[0]} entries; expected {batch} (one per batch)"
         )
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) > limit):
-        raise ValueError(
-            f"{op}: argument '{name}' has lengths outside [0, {limit}] (the tensor's sequence length)"
-        )
+    check_values(op, name, t, 0, limit, "lengths")
     return t.to(torch.int32).contiguous()
 
 
@@ -625,12 +622,9 @@ def _prepare(
         )
         if bt.shape[0] != b:
             raise ValueError(f"{op}: 'block_table' has {bt.shape[0]} rows; expected the batch {b}")
-        if bt.numel() and (int(bt.min()) < 0 or int(bt.max()) >= k.shape[0]):
-            raise ValueError(f"{op}: 'block_table' lists pages outside [0, {k.shape[0]})")
+        check_values(op, "block_table", bt, 0, k.shape[0] - 1, "pages")
         block_table = bt.to(torch.int32)
         skv = bt.shape[1] * k.shape[1]
-        if seqlens_kv is None:
-            seqlens_kv = torch.full((b,), skv, dtype=torch.int32, device=q.device)
     if not packed and (seqlens_q is not None or seqlens_kv is not None):
         lens_q = _lengths(op, "seqlens_q", seqlens_q, b, sq) if seqlens_q is not None else None
         lens_kv = _lengths(op, "seqlens_kv", seqlens_kv, b, skv) if seqlens_kv is not None else None

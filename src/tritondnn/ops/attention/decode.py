@@ -24,6 +24,7 @@ from .common import block_d, dot, kv_rows, modify, seq_bounds, softcap_scores, w
 
 MAX_ROWS = 128  # group size * Sq one program holds
 MAX_QUERIES = 16
+MAX_SPLIT_PAGES = 256  # block-table entries one split holds in registers (paged caches)
 
 
 @triton.jit
@@ -33,15 +34,16 @@ def attention_decode_split_kernel(
     seqlen_q_max, seqlen_kv_max, hq, hkv, group, chunk, num_splits,
     sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sab, btb, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, head_dim: tl.constexpr,
+    head_dim_v: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of one key chunk for all queries of one (batch, kv head)."""
     split = tl.program_id(0)
-    pid = tl.program_id(1)
-    b = pid // hkv
-    hk = pid % hkv
+    b = tl.program_id(1) // hkv
+    hk = tl.program_id(1) % hkv
+    batch = tl.num_programs(1) // hkv
     _, seqlen_q, _, seqlen_kv = seq_bounds(LENS_Q, LENS_KV, b, seqlen_q_max, seqlen_kv_max, VARLEN)
     diag = 0
     if BOTTOM_RIGHT:
@@ -80,11 +82,31 @@ def attention_decode_split_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    if SPLIT_PAGES > 0:
+        # The split's block-table entries, loaded once: a key's page is then gathered from registers,
+        # so the key/value loads do not depend on a load in the loop and pipeline as deeply as a
+        # contiguous cache's (a table load per block left one tile in flight).
+        first_page = lo // PAGE
+        slots = tl.arange(0, SPLIT_PAGES)
+        split_pages = tl.load(
+            bt_row + first_page + slots, mask=first_page + slots < tl.cdiv(hi, PAGE), other=0
+        )
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid_n = offs_n < hi
-        k_rows = kv_rows(bt_row, offs_n, 0, skb, sks, valid_n, PAGE, True)
-        v_rows = kv_rows(bt_row, offs_n, 0, svb, svs, valid_n, PAGE, True)
+        if SPLIT_PAGES > 0 and PAGE % BLOCK_N == 0:
+            # The block lies in one page: its rows are a contiguous cache's, from one scalar page.
+            page = tl.sum(tl.where(slots == start_n // PAGE - first_page, split_pages, 0), 0).to(tl.int64)
+            in_page = (start_n % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k_rows = page * skb + in_page * sks
+            v_rows = page * svb + in_page * svs
+        elif SPLIT_PAGES > 0:
+            page = tl.gather(split_pages, tl.minimum(offs_n // PAGE - first_page, SPLIT_PAGES - 1), 0)
+            k_rows = page.to(tl.int64) * skb + (offs_n % PAGE).to(tl.int64) * sks
+            v_rows = page.to(tl.int64) * svb + (offs_n % PAGE).to(tl.int64) * svs
+        else:
+            k_rows = kv_rows(bt_row, offs_n, 0, skb, sks, valid_n, PAGE, True)
+            v_rows = kv_rows(bt_row, offs_n, 0, svb, svs, valid_n, PAGE, True)
         kt = tl.load(
             k_head + k_rows[None, :] + offs_d[:, None] * skd,
             mask=valid_n[None, :] & (offs_d < head_dim)[:, None], other=0.0,
@@ -107,10 +129,10 @@ def attention_decode_split_kernel(
         acc = dot(p.to(q.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
     # Partial results at [split, b, h, i]; rows of absent heads are not stored.
-    row = ((split * (tl.num_programs(1) // hkv) + b) * hq + h).to(tl.int64) * seqlen_q_max + i
+    row = ((split * batch + b) * hq + h).to(tl.int64) * seqlen_q_max + i
     store = (g < group) & (i < seqlen_q_max)
     tl.store(OP + row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=store[:, None])
-    total = num_splits * (tl.num_programs(1) // hkv) * hq * seqlen_q_max
+    total = num_splits * batch * hq * seqlen_q_max
     tl.store(ML + row, m_i, mask=store)
     tl.store(ML + total + row, l_i, mask=store)
 
@@ -197,8 +219,13 @@ def bind_decode(p, config: dict):
     # Enough programs to keep every SM streaming keys: ``waves`` programs per SM (config).
     waves = config.get("waves", 2)
     splits = max(1, min(cdiv(p.seqlen_kv, bn), cdiv(waves * multiprocessor_count(), programs), 256))
+    if p.page:
+        # A split's page list stays in registers: at most MAX_SPLIT_PAGES pages per split.
+        splits = max(splits, cdiv(p.seqlen_kv, (MAX_SPLIT_PAGES - 1) * p.page))
     chunk = cdiv(cdiv(p.seqlen_kv, splits), bn) * bn
     splits = cdiv(p.seqlen_kv, chunk)
+    # Pages one split's keys can touch: its chunk, plus one when the chunk starts inside a page.
+    split_pages = triton.next_power_of_2(cdiv(chunk, p.page) + 1) if p.page else 0
     split_launch = launcher(
         attention_decode_split_kernel,
         (splits, programs),
@@ -209,8 +236,8 @@ def bind_decode(p, config: dict):
         ),
         constexprs=(
             has_left, has_right, p.bottom_right, p.alibi is not None, p.softcap, p.varlen, p.page,
-            "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16", rows, bn, bd, bdv,
-            p.head_dim, p.head_dim_v,
+            split_pages, "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16",
+            rows, bn, bd, bdv, p.head_dim, p.head_dim_v,
         ),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

@@ -155,6 +155,15 @@ def test_head_dims(dims, poison):
     check(ours, ref_bhsd(is_causal=True), {"q": q, "k": k, "v": v}, str(dims))
 
 
+@pytest.mark.parametrize("scale", [0.7, -0.4])
+def test_scale_sign(scale):
+    """Either sign of the scale, on scores spanning more than fp32's exponent range: the online
+    softmax must shift by the row max of the scaled scores (a shift from the wrong end overflows)."""
+    q, k, v = rand(1, 2, 40, 32, scale=8.0), rand(1, 2, 100, 32, scale=8.0), rand(1, 2, 100, 32)
+    inputs = {"q": q, "k": k, "v": v}
+    check(lambda q, k, v: sdpa(q, k, v, scale=scale), ref_bhsd(scale=scale), inputs, "scale", grad=False)
+
+
 def test_mqa_scale_and_3d_inputs():
     q, k, v = rand(1, 4, 19, 32), rand(1, 1, 23, 32), rand(1, 1, 23, 32)
     check(

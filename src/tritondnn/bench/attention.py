@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
 from ..ops.attention import sdpa
-from . import Case, providers
+from . import Case, graphed, providers
 
 
 def _named(**fns: Callable[[], object] | None) -> dict[str, Callable[[], object]]:
@@ -158,9 +158,22 @@ def cases(quick: bool) -> Iterator[Case]:
         v_cache = torch.empty_like(k_cache)
         k_cache[perm] = k.transpose(1, 2).reshape(b * pages, page, hkv, d)
         v_cache[perm] = v.transpose(1, 2).reshape(b * pages, page, hkv, d)
+        paged = partial(sdpa, q, k_cache, v_cache, block_table=table, enable_gqa=True)
+        yield Case(f"{label} paged{page} fwd", _named(tritondnn=paged), bytes=cache_bytes)
+        # The same calls captured in CUDA graphs, as decode loops run them: device time alone (a
+        # decode step's host work is about as long as its kernels).
         yield Case(
-            f"{label} paged{page} fwd",
-            _named(tritondnn=partial(sdpa, q, k_cache, v_cache, block_table=table, enable_gqa=True)),
+            f"{label} fwd, CUDA graph",
+            _named(
+                tritondnn=graphed(partial(sdpa, q, k, v, enable_gqa=True)),
+                torch_flash=_usable(flash, q, k, v, enable_gqa=True)
+                and graphed(partial(flash, q, k, v, enable_gqa=True)),
+                torch_cudnn=_usable(cudnn, q, k, v, enable_gqa=True)
+                and graphed(partial(cudnn, q, k, v, enable_gqa=True)),
+            ),
             bytes=cache_bytes,
         )
-        del q, k, v, k_cache, v_cache
+        yield Case(
+            f"{label} paged{page} fwd, CUDA graph", _named(tritondnn=graphed(paged)), bytes=cache_bytes
+        )
+        del q, k, v, k_cache, v_cache, paged

@@ -7,13 +7,14 @@ Messages name the operation, the argument, what was given and what is accepted, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from .backend import DEVICE_TYPE, ON_DEVICE_ATTR, backend
+from .launcher import cdiv, launcher
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -125,14 +126,17 @@ def check_values(op: str, name: str, t: torch.Tensor, low: int, high: int, what:
             raise ValueError(message)
         return
     flat = t.reshape(-1)
-    block = 1024
-    # The limits stay runtime arguments, so the message names the range without the numbers
-    # (one compiled kernel per op and argument, not per limit).
-    _in_range_kernel[(triton.cdiv(flat.numel(), block),)](
-        flat,
-        flat.numel(),
-        low,
-        high,
-        MESSAGE=f"{op}: argument '{name}' has {what} outside their range",
-        BLOCK=block,
-    )
+    key = (op, name, what, flat.dtype, flat.numel(), low, high)
+    launch = _RANGE_LAUNCHERS.get(key)
+    if launch is None:
+        block = 1024
+        # The limits stay out of the message so that it reads the same for every limit.
+        message = f"{op}: argument '{name}' has {what} outside their range"
+        launch = launcher(
+            _in_range_kernel, (cdiv(flat.numel(), block),), 1, (flat.numel(), low, high), (message, block)
+        )
+        _RANGE_LAUNCHERS[key] = launch
+    launch(flat)
+
+
+_RANGE_LAUNCHERS: dict[tuple, Callable[..., None]] = {}

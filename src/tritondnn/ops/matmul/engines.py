@@ -367,8 +367,13 @@ class TiledEngine(Engine[MatmulProblem]):
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
+        repack_a, repack_b = _fma_repacks(p)
+        if repack_a:
+            p = dataclasses.replace(p, a_strides=(0, 0, p.k, 1))
+        if repack_b:
+            p = dataclasses.replace(p, b_strides=(0, 0, p.n, 1))
         bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-        return launcher(
+        launch = launcher(
             _tiled_kernel,
             (cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch,),
             num_tensors=10,
@@ -386,6 +391,26 @@ class TiledEngine(Engine[MatmulProblem]):
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
+        if not (repack_a or repack_b):
+            return launch
+
+        def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
+            if repack_a:
+                a = _row_major(a.as_strided((problem.m, problem.k), problem.a_strides[2:]))
+            if repack_b:
+                b = _row_major(b.as_strided((problem.k, problem.n), problem.b_strides[2:]))
+            launch(a, b, out, *rest)
+
+        return run
+
+
+def _fma_repacks(p: MatmulProblem) -> tuple[bool, bool]:
+    """Whether the tiled kernel copies a column-major A or B row-major first, for fp32 without
+    TF32: its FMA products read A along K and B along N, and a B stored K-major ran at 22 TFLOP/s
+    against 44 row-major (H100, 4096^3), where the copy moves 128 MB in about 50 us."""
+    if p.dtypes[0] != "float32" or p.tf32 or p.batch != 1:
+        return False, False
+    return p.a_strides[2:] == (1, p.m) and p.m > 1, p.b_strides[2:] == (1, p.k) and p.n > 1
 
 
 def _aligned(stride: int, itemsize: int) -> bool:

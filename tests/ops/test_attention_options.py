@@ -208,6 +208,47 @@ def test_paged_kv_cache(sq, page, lengths, poison):
             sdpa(q, k_cache, v_cache, block_table=table + 7, enable_gqa=True)
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["gqa-causal", "bshd-window-lse", "paged"],
+)
+def test_eager_repeat_calls(case):
+    """A repeat call with the same geometry and options runs the cached closure: same results as
+    the first (validated) call on fresh data, and a call differing in one option is not served
+    from another's closure."""
+    att._eager.clear()
+    page = 16
+    table = torch.tensor([[3, 7, 1, 0], [9, 2, 5, 4]], device=DEVICE)
+    opts = {
+        "gqa-causal": {"is_causal": True, "enable_gqa": True},
+        "bshd-window-lse": {"layout": "bshd", "window": (9, 2), "return_lse": True},
+        "paged": {"block_table": table, "enable_gqa": True},
+    }[case]
+
+    def inputs():
+        if case == "paged":
+            return rand(2, 4, 3, 32), rand(10, page, 2, 32), rand(10, page, 2, 32)
+        if case == "bshd-window-lse":
+            return rand(2, 37, 2, 32), rand(2, 45, 2, 32), rand(2, 45, 2, 32)
+        return rand(2, 4, 37, 32), rand(2, 2, 45, 32), rand(2, 2, 45, 32)
+
+    sdpa(*inputs(), **opts)
+    assert len(att._eager) == 1
+    q, k, v = inputs()
+    fast = sdpa(q, k, v, **opts)
+    att._eager.clear()
+    slow = sdpa(q, k, v, **opts)
+    for a, b in zip(
+        fast if isinstance(fast, tuple) else (fast,), slow if isinstance(slow, tuple) else (slow,)
+    ):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    if case == "gqa-causal":
+        other = sdpa(q, k, v, enable_gqa=True)  # not causal: its own closure
+        assert len(att._eager) == 2
+        ref, _ = sdpa_reference(q, k, v)
+        assert_close(other, ref, None, "non-causal after causal")
+
+
 def test_dropout_replay(poison):
     p, seed, offset = 0.3, 1234, 77
     keep = dropout_keep_mask(1, 2, 37, 45, p, seed, offset)

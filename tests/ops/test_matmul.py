@@ -384,6 +384,27 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())  # TF32's 10 mantissa bits
 
 
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_tiled_kernel_copies_fp32_operands_to_its_layouts(a_t, b_t, monkeypatch, poison):
+    """fp32 without TF32: the tiled FMA kernel runs fastest on an M-major A and an N-major B, so a
+    row-major A or a K-major B is copied first (above a size, lowered to 0 here) and the product
+    is unchanged."""
+    monkeypatch.setattr(mm_engines, "FMA_REPACK_MIN", 0)
+    m, n, k = 40, 72, 36
+    a = randn(k, m).mT if a_t else randn(m, k)
+    b = randn(n, k).mT if b_t else randn(k, n)
+    lay = mm_engines.layout(
+        a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
+        scaled=False, amax=False,
+    )  # fmt: skip
+    assert mm_engines._fma_repacks(lay.problem) == (not a_t, b_t)
+    engine = mm_engines.TiledEngine()
+    out, _, _, args = _launch_args(lay.problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+    engine.bind(lay.problem, engine.configs(lay.problem)[0])(*args)
+    assert_close(out, a.double() @ b.double(), a @ b, what=f"fp32 a_t={a_t} b_t={b_t}")
+
+
 def test_row_major_copy_of_a_column_major_matrix():
     x = randn(7, 5).t()  # 5 x 7, column-major
     y = mm_engines._row_major(x)

@@ -120,10 +120,9 @@ def check_values(op: str, name: str, t: torch.Tensor, low: int, high: int, what:
     """
     if not t.numel():
         return
-    message = f"{op}: argument '{name}' has {what} outside [{low}, {high}]"
     if t.device.type == "cpu":
         if int(t.min()) < low or int(t.max()) > high:
-            raise ValueError(message)
+            raise ValueError(f"{op}: argument '{name}' has {what} outside [{low}, {high}]")
         return
     flat = t.reshape(-1)
     key = (op, name, what, flat.dtype, flat.numel(), low, high)

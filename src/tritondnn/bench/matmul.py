@@ -139,7 +139,7 @@ def _under(flag: bool, fn: Callable[[], object]) -> Callable[[], object]:
 
 def _fp32(m: int, n: int, k: int, tf32: bool, layout: str = "NN") -> Case:
     """fp32 or TF32; layout "NT" takes B K-major (a linear layer's weight), which TF32's Hopper
-    MMAs read in place, where "NN" has B copied K-major first."""
+    MMAs read in place, where "NN" has B copied K-major first (and fp32's FMA kernel the reverse)."""
     a = _randn(m, k, dtype=torch.float32)
     b = _randn(k, n, dtype=torch.float32) if layout == "NN" else _randn(n, k, dtype=torch.float32).t()
     return Case(
@@ -172,5 +172,5 @@ def cases(quick: bool) -> Iterator[Case]:
         yield _fp8(8192, 8192, 8192, fast_accum=False)
         yield _fp8(8192, 8192, 8192, fast_accum=True)
     for tf32 in (False, True):
-        yield _fp32(4096, 4096, 4096, tf32)
-    yield _fp32(4096, 4096, 4096, True, "NT")
+        for layout in ("NN", "NT"):
+            yield _fp32(4096, 4096, 4096, tf32, layout)

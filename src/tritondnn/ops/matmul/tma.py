@@ -29,7 +29,7 @@ def _persistent_kernel(
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size.
 
@@ -39,7 +39,8 @@ def _persistent_kernel(
     sb_n == 1. OUT_DESC: the output is stored through a descriptor too (so_n == 1, aligned rows).
     WARP_SPECIALIZE: Triton splits the tile loop into producer (copy) and consumer (MMA) warps.
     FLATTEN: Triton pipelines the tile and K loops as one, so the next tile's loads are issued
-    during this tile's epilogue.
+    during this tile's epilogue. SUBTILE: the epilogue runs on the tile's two column halves in
+    turn, so the first half's store is under way while the second is computed.
     """
     if A_T:
         a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
@@ -49,8 +50,10 @@ def _persistent_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
+    OUT_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    out_desc = out_ptr
     if OUT_DESC:
-        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, BLOCK_N])
+        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, OUT_N])
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -79,18 +82,43 @@ def _persistent_kernel(
         pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        y = epilogue_tile(
-            acc, rows, cols, 0, M, N, 1,
-            c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
-            alpha, beta, p0, p1,
-            0, 0, so_m, so_n, 0, 0, sc_m, sc_n, 0, 0, sr_m, sr_n, s_bias,
-            HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX,
+        last = acc
+        if SUBTILE:  # the left half first, then the right one as the last
+            left, last = acc.reshape(BLOCK_M, 2, OUT_N).permute(0, 2, 1).split()
+            _finish(
+                left, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+                scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
+                HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
+            )  # fmt: skip
+            off_n += OUT_N
+        _finish(
+            last, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+            scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
+            HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
         )  # fmt: skip
-        if OUT_DESC:
-            out_desc.store([off_m, off_n], convert(y, out_ptr.dtype.element_ty))
-        else:
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            out_ptrs = out_ptr + rows[:, None] * so_m + cols[None, :] * so_n
-            tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(
+    acc, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr,
+    amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr, OUT_DESC: tl.constexpr,
+    OUT_N: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a tile's output columns [off_n, off_n + OUT_N), stored."""
+    rows = off_m + tl.arange(0, acc.shape[0])
+    cols = off_n + tl.arange(0, OUT_N)
+    y = epilogue_tile(
+        acc, rows, cols, 0, M, N, 1,
+        c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+        alpha, beta, p0, p1,
+        0, 0, so_m, so_n, 0, 0, sc_m, sc_n, 0, 0, sr_m, sr_n, s_bias,
+        HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX,
+    )  # fmt: skip
+    if OUT_DESC:
+        out_desc.store([off_m, off_n], convert(y, out_ptr.dtype.element_ty))
+    else:
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        out_ptrs = out_ptr + rows[:, None] * so_m + cols[None, :] * so_n
+        tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=mask)

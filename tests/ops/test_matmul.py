@@ -386,10 +386,13 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())  # TF32's 10 mantissa bits
 
 
-def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's
-    128x256x32 tiles leave no room for it, so they are kept and store through pointers."""
-    a, b = torch.empty(4096, 4096, device="meta"), torch.empty(4096, 4096, device="meta").t()
+    128x256x32 tiles, and 16-bit 128x256x64 ones with an fp32 output, leave no room for it, so
+    they are kept and store through pointers (the latter in column halves)."""
+    a = torch.empty(4096, 4096, device="meta", dtype=dtype)
+    b = torch.empty(4096, 4096, device="meta", dtype=dtype).t()
     with tdnn.config.flags(allow_tf32=True):
         lay = mm_engines.layout(
             a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
@@ -398,9 +401,10 @@ def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers():
     configs = mm_engines.PersistentTmaEngine().configs(lay.problem)
     assert (configs[0]["BLOCK_M"], configs[0]["BLOCK_N"], configs[0].get("STORE_DESC")) == (128, 256, False)
     for c in configs:
-        pipeline = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"]
-        staged = (pipeline + c["BLOCK_M"] * c["BLOCK_N"]) * 4
-        assert c.get("STORE_DESC", True) == (staged <= 216 * 1024), c
+        pipeline = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * a.element_size()
+        fits = pipeline + c["BLOCK_M"] * c["BLOCK_N"] * 4 <= 216 * 1024
+        assert c.get("STORE_DESC", True) == fits, c
+        assert c.get("SUBTILE", False) == (not fits and dtype == torch.bfloat16), c
 
 
 @pytest.mark.parametrize("a_t", [False, True])

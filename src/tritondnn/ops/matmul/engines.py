@@ -474,15 +474,18 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
         # A descriptor store stages the output tile in shared memory beside the pipeline's
         # buffers; where both do not fit (TF32 128x256x32 tiles failed to build), the tile is
-        # stored from registers instead (TF32 4096^3, B K-major, H100: 128x256x32 tiles so stored ran
-        # 398 us, where the 128x128x32 tiles taken before ran 436).
+        # stored from registers instead, and a 32-bit output of 16-bit operands in column halves.
+        # H100: TF32 4096^3 (B K-major) with 128x256x32 tiles so stored 398 us, where the
+        # 128x128x32 tiles taken before ran 436; bf16 into fp32 with 128x256x64 tiles 200 us at
+        # 4096^3 (halves 202) against 226 before, 1660 us at 8192^3 (1804 without halves, 1790 before).
         out_bytes = _ITEMSIZE[problem.dtypes[2]]
+        halves = out_bytes > _ITEMSIZE[problem.dtypes[0]]
         tiles = [
             c
             if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ITEMSIZE[problem.dtypes[0]]
             + c["BLOCK_M"] * c["BLOCK_N"] * out_bytes
             <= 216 * 1024
-            else {**c, "STORE_DESC": False}
+            else {**c, "STORE_DESC": False, "SUBTILE": halves}
             for c in _tile_configs(problem)
         ]
         plain = [{**c, "WARP_SPECIALIZE": False, "FLATTEN": False} for c in tiles]

@@ -386,6 +386,42 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())  # TF32's 10 mantissa bits
 
 
+def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
+    a = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
+    b = torch.empty(n, k, device="meta", dtype=torch.bfloat16).t()
+    return mm_engines.layout(
+        a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
+        scaled=False, amax=False,
+    ).problem  # fmt: skip
+
+
+def test_medium_problems_take_128x128_tiles(monkeypatch):
+    """With H100's 132 SMs: where 128x256 tiles would leave SMs idle, or K is a few steps, 128x128
+    tiles go first (two programs per SM where there are tiles enough); where they fill their
+    waves the 128x256 tiles stay; the tile model ranks 128x128 above 64x64; split-K declines a
+    K it cannot split."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    persistent = mm_engines.PersistentTmaEngine()
+    shapes = {
+        "few, one a SM": (3136, 512, 2048),
+        "few, paired": (12544, 256, 1024),
+        "short K": (50176, 512, 128),
+        "one full wave": (2048, 2048, 2048),
+        "many": (8192, 8192, 8192),
+    }
+    first = {name: persistent.configs(_meta_problem(*shape))[0] for name, shape in shapes.items()}
+    tile = lambda c: (c["BLOCK_M"], c["BLOCK_N"], c.get("CTAS", 1))
+    assert tile(first["few, one a SM"]) == (128, 128, 1)
+    assert tile(first["few, paired"]) == tile(first["short K"]) == (128, 128, 2)
+    assert tile(first["one full wave"]) == tile(first["many"]) == (128, 256, 1)
+    tiled = mm_engines.TiledEngine().configs(_meta_problem(3136, 512, 2048))[0]
+    assert (tiled["BLOCK_M"], tiled["BLOCK_N"]) == (128, 128)
+    assert (
+        "too short to split"
+        in mm_engines.SplitKEngine().not_supported_reasons(_meta_problem(4096, 512, 128))[0]
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's

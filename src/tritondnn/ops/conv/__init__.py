@@ -37,6 +37,7 @@ from ..epilogue import Epilogue
 from . import boxed as _boxed  # noqa: F401  (registers its engines)
 from . import depthwise as _depthwise  # noqa: F401
 from . import fft as _fft  # noqa: F401
+from . import gemm as _gemm  # noqa: F401
 from . import shifted as _shifted  # noqa: F401
 from . import winograd as _winograd  # noqa: F401
 from .args import (

@@ -337,8 +337,22 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
-        configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
+        configs.sort(key=lambda c: _tile_time(p, c))
     return configs
+
+
+def _tile_efficiency(config: LaunchConfig) -> float:
+    """The share of the peak rate a tile's MMAs can reach: a BM x BN tile loads BM + BN rows per
+    BM * BN products, and below the 128x256 tile's ratio the loads, not the MMAs, set the pace."""
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    return min(1.0, bm * bn / (bm + bn) / (128 * 256 / 384))
+
+
+def _tile_time(p: MatmulProblem, config: LaunchConfig) -> float:
+    """Relative time of the problem in ``config``'s tiles: waves of programs times the time of one
+    tile. (H100, bf16 3136x512x2048: 128x128 tiles 22.5 us, 64x64 ones 37.2, 128x256 29.3.)"""
+    programs = cdiv(p.m, config["BLOCK_M"]) * cdiv(p.n, config["BLOCK_N"]) * p.batch
+    return cdiv(programs, sm_count()) * config["BLOCK_M"] * config["BLOCK_N"] / _tile_efficiency(config)
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -359,7 +373,7 @@ class TiledEngine(Engine[MatmulProblem]):
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = 0.8 * _wave_util(programs) * slow_tf32
+        compute = 0.8 * _wave_util(programs) * _tile_efficiency(c) * slow_tf32
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -464,11 +478,13 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         return reasons
 
     def cost(self, problem: MatmulProblem) -> float:
-        c = self.configs(problem)[0]
+        # The best tile by the model (the first config may be a measured exception to it).
+        c = min(_tile_configs(problem), key=lambda c: _tile_time(problem, c))
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
         repack_a, repack_b = _tf32_repacks(problem)
         copied = 8 * (repack_a * problem.m * problem.k + repack_b * problem.k * problem.n)  # read + write
-        kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
+        compute = 0.9 * _wave_util(tiles) * _tile_efficiency(c)
+        kernel = _roofline(problem, compute, 0.65 * min(1.0, tiles / sm_count()))
         return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -492,6 +508,15 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         if not (problem.fp8 or problem.dtypes[0] in ("float16", "bfloat16")):
             # fp32 and TF32: warp specialization failed to compile (TF32) or ran 70x slower (fp32).
             return plain
+        ordered = self._ordered(problem, tiles, plain)
+        lead = _medium_lead(problem)
+        return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
+
+    @staticmethod
+    def _ordered(
+        problem: MatmulProblem, tiles: list[LaunchConfig], plain: list[LaunchConfig]
+    ) -> list[LaunchConfig]:
+        """16-bit and fp8 configs, best first, for problems with many big tiles."""
         big = [c for c in tiles if c["BLOCK_M"] >= 128 and c["BLOCK_N"] >= 128][:2]
         specialized = [{**c, "WARP_SPECIALIZE": True, "FLATTEN": False} for c in big]
         # One loop over (tile, K step): the next tile's loads start during this tile's epilogue.
@@ -509,9 +534,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
                 # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
                 # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
                 # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
-                paired = {**_tile(128, 128, 64, 4, 3), "WARP_SPECIALIZE": False, "FLATTEN": True, "CTAS": 2,
-                          "STORE_DESC": False}  # fmt: skip
-                return [paired, *flattened, *plain, *specialized]
+                return [_PAIRED, *flattened, *plain, *specialized]
             return flattened + plain + specialized
         if problem.k <= 4096:
             if problem.activation >= 0 and problem.residual_strides is None:
@@ -571,6 +594,43 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             launch(a, b, out, *rest)
 
         return run
+
+
+# Two 128x128 programs per SM, the loops flattened, the output stored through pointers (a
+# descriptor store's staging would not fit twice).
+_PAIRED = {
+    **_tile(128, 128, 64, 4, 3),
+    "WARP_SPECIALIZE": False,
+    "FLATTEN": True,
+    "CTAS": 2,
+    "STORE_DESC": False,
+}
+
+
+def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
+    """The config that goes first for a 16-bit problem of few big tiles or a short K, if any.
+
+    128x256 tiles that leave SMs idle in their last wave, or a K loop of a few steps (the epilogue
+    then takes a large share), run best as 128x128 tiles: two programs per SM where there are
+    enough tiles (one's epilogue overlaps the other's MMAs), otherwise one. Measured on H100
+    (bf16, ResNet-50's 1x1 convolutions as GEMMs, us; the heuristic's pick before -> this one):
+    50176x512x128 53.2 (split-K) -> 30.7, 200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128)
+    -> 24.4, 3136x2048x1024 32.8 -> 30.8, 3136x512x2048 37.2 (64x64) -> 22.5 (one per SM; paired
+    26.0). Left as they were: 128x256 tiles that fill their waves (2048^3 with 128 of them: 31.4 us
+    against 35.4 for 128x128).
+    """
+    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1:
+        return None
+    big = cdiv(p.m, 128) * cdiv(p.n, 256)
+    square = cdiv(p.m, 128) * cdiv(p.n, 128)
+    few = _wave_util(big) < 0.85
+    if not (few or p.k <= 256):
+        return None
+    if square < sm_count():
+        return {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": False, "FLATTEN": False}
+    return (
+        _PAIRED if p.k <= 1024 else {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": True, "FLATTEN": False}
+    )
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:
@@ -699,8 +759,8 @@ class SplitKEngine(Engine[MatmulProblem]):
 
     def not_supported_reasons(self, problem: MatmulProblem) -> list[str]:
         reasons = _interpreter_reasons(problem)
-        if problem.k < 128:
-            reasons.append(f"K={problem.k} is too short to split (under two blocks of 64)")
+        if problem.k < 256:  # shorter, a split-K program is the tiled kernel's with small tiles
+            reasons.append(f"K={problem.k} is too short to split (under four blocks of 64)")
         return reasons
 
     def cost(self, problem: MatmulProblem) -> float:

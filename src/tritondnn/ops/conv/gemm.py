@@ -1,0 +1,204 @@
+"""1x1 convolutions as one matrix product (cuDNN's GEMM algorithm), on ``tdnn.matmul``'s engines.
+
+With a 1x1 kernel, no padding and one group, a channels-last activation is a [pixels, channels]
+matrix with dense rows, and each direction is a single GEMM:
+
+* forward: ``y[P, Cout] = x[P, Cin] @ W^T``, the convolution's epilogue fused (bias per column);
+* data gradient (stride 1): ``dx[P, Cin] = dy[P, Cout] @ W``, its epilogue fused the same way;
+* weight gradient: ``dW[Cout, Cin] = dy^T @ x``, a reduction over every pixel.
+
+A stride-s forward or weight gradient reads every s-th pixel: those rows are copied into a dense
+matrix first (the only extra traffic, 1/s^2 of x). The matrix products then take what the matmul
+family would choose for them: the persistent TMA kernel on Hopper, the skinny kernel for narrow
+outputs, split-K (deterministic: partial sums added in a fixed order) for the weight gradient's
+long reduction. The convolution engines read each pixel's taps through address arithmetic; here
+none is needed, and the GEMM runs at the matmul's rate.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ...core.engine import Choice, Engine, LaunchConfig
+from ..matmul import engines as mm
+from .engines import _BANDWIDTH, DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
+from .problem import ConvProblem, Strides5, Triple, itemsize
+
+
+def _dense(strides: Strides5, channels: int, n: int, size: Triple) -> bool:
+    """Whether (N, C, D, H, W) strides are those of a dense channels-last tensor (size-1
+    dimensions' strides aside)."""
+    step, expected = channels, {1: 1}
+    for dim, extent in zip((4, 3, 2), reversed(size)):
+        expected[dim] = step
+        step *= extent
+    expected[0] = step
+    extents = {0: n, 1: channels, 2: size[0], 3: size[1], 4: size[2]}
+    return all(strides[d] == s for d, s in expected.items() if extents[d] > 1)
+
+
+def _reasons(p: ConvProblem) -> list[str]:
+    reasons = []
+    if p.kernel != (1, 1, 1):
+        reasons.append(f"needs a 1x1 kernel (got {p.kernel[3 - p.nd :]})")
+    if p.pad != (0, 0, 0):
+        reasons.append(f"needs no padding (got {p.pad[3 - p.nd :]})")
+    if p.groups != 1:
+        reasons.append(f"needs one group (got {p.groups})")
+    if not p.channels_last:
+        reasons.append("needs channels-last activations")
+    strided = p.stride != (1, 1, 1)
+    if p.direction == "dgrad" and strided:
+        reasons.append(f"data gradient: needs stride 1 (got {p.stride[3 - p.nd :]})")
+    if not _dense(p.y_strides, p.cout, p.n, p.out_size):
+        reasons.append(f"the output{' gradient' if p.direction != 'fwd' else ''} is not dense channels-last")
+    if not (strided or _dense(p.x_strides, p.cin, p.n, p.in_size)):
+        reasons.append(f"the input{' gradient' if p.direction == 'dgrad' else ''} is not dense channels-last")
+    return reasons
+
+
+def _meta(shape: tuple[int, int], strides: tuple[int, int], dtype: str) -> torch.Tensor:
+    return torch.empty_strided(shape, strides, dtype=getattr(torch, dtype), device="meta")
+
+
+@functools.cache
+def _matmul(p: ConvProblem) -> tuple[mm.Layout, Choice]:
+    """The matrix product of ``p`` and the matmul family's choice for it (its heuristic)."""
+    pixels = p.out_pixels
+    ws = p.w_strides
+    if p.direction == "wgrad":  # dW[Cout, Cin] = dy^T @ x
+        m, n, k, a_strides, b_strides = p.cout, p.cin, pixels, (1, p.cout), (p.cin, 1)
+    elif p.direction == "dgrad":  # dx[P, Cin] = dy[P, Cout] @ W[Cout, Cin]
+        m, n, k, a_strides, b_strides = pixels, p.cin, p.cout, (p.cout, 1), (ws[0], ws[1])
+    else:  # y[P, Cout] = x[P, Cin] @ W[Cout, Cin]^T
+        m, n, k, a_strides, b_strides = pixels, p.cout, p.cin, (p.cin, 1), (ws[1], ws[0])
+    out = _meta((m, n), (n, 1), p.out_dtype)
+    lay = mm.layout(
+        _meta((m, k), a_strides, p.dtype),
+        _meta((k, n), b_strides, p.dtype),
+        out if p.has_c else None,
+        _meta((n,), (1,), p.out_dtype) if p.bias else None,
+        out if p.residual else None,
+        out_dtype=getattr(torch, p.out_dtype),
+        bias_kind=1 if p.bias else 0,
+        activation=p.activation,
+        store_pre=p.store_pre,
+        scaled=False,
+        amax=False,
+    )
+    return lay, mm.FAMILY.select(lay.problem)
+
+
+def _copy_cost(p: ConvProblem) -> float:
+    """Microseconds to copy the sampled pixels of a strided x into a dense matrix."""
+    if p.stride == (1, 1, 1):
+        return 0.0
+    return 2 * p.out_pixels * p.cin * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.6) + 5.0
+
+
+def _cost(p: ConvProblem) -> float:
+    lay, choice = _matmul(p)
+    return choice.engine.cost(lay.problem) + _copy_cost(p)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A dense channels-last (N, C, *spatial) tensor as its [pixels, C] matrix (a view)."""
+    return t.movedim(1, -1).reshape(-1, t.shape[1])
+
+
+def _sampled_rows(x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
+    """x's [pixels, C] matrix of the pixels a stride-s 1x1 convolution reads (a copy if s > 1)."""
+    if p.stride != (1, 1, 1):
+        x = x[(slice(None), slice(None), *(slice(None, None, s) for s in p.stride[3 - p.nd :]))]
+    return _rows(x)
+
+
+def _bind(p: ConvProblem) -> Callable[..., None]:
+    """``run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1)`` for the forward (src x,
+    dst y) or the data gradient (src dy, dst dx)."""
+    lay, choice = _matmul(p)
+    launch = choice.engine.bind(lay.problem, choice.config)
+    cin, cout = p.cin, p.cout
+    ws = p.w_strides
+    w_shape, w_strides = (
+        ((cout, cin), (ws[0], ws[1])) if p.direction == "dgrad" else ((cin, cout), (ws[1], ws[0]))
+    )
+
+    def run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+        a = _sampled_rows(src, p)
+        b = w.as_strided(w_shape, w_strides, w.storage_offset())
+        out = _rows(dst)
+        if lay.swapped:
+            a, b = b, a
+        extra = [
+            _rows(t) if used else out
+            for t, used in ((c, p.has_c), (residual, p.residual), (pre, p.store_pre))
+        ]
+        launch(
+            a,
+            b,
+            out,
+            extra[0],
+            bias if p.bias else out,
+            extra[1],
+            extra[2],
+            out,
+            out,
+            out,
+            alpha,
+            beta,
+            p0,
+            p1,
+        )
+
+    return run
+
+
+class _GemmEngine(Engine[ConvProblem]):
+    name = "gemm_1x1"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _cost(problem)
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return [{}]  # the matmul family picks its own engine and configuration
+
+
+@FAMILY.register
+class GemmForwardEngine(_GemmEngine):
+    """A 1x1 channels-last convolution (any stride, one group) as one GEMM with its epilogue."""
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _bind(problem)
+
+
+@DGRAD_FAMILY.register
+class GemmDgradEngine(_GemmEngine):
+    """The data gradient of a stride-1 1x1 channels-last convolution as one GEMM."""
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _bind(problem)
+
+
+@WGRAD_FAMILY.register
+class GemmWgradEngine(_GemmEngine):
+    """The weight gradient of a 1x1 channels-last convolution as one GEMM over every pixel."""
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        lay, choice = _matmul(p)
+        launch = choice.engine.bind(lay.problem, choice.config)
+
+        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+            a, b, out = _rows(dy).t(), _sampled_rows(x, p), dw.view(p.cout, p.cin)
+            if lay.swapped:
+                a, b = b, a
+            launch(a, b, out, out, out, out, out, out, out, out, 1.0, 0.0, 0.0, 0.0)
+
+        return run

@@ -1,0 +1,105 @@
+"""The 1x1 convolution engines that run as one matrix product (``gemm_1x1``): forward with its
+epilogue, data and weight gradients, every rank and stride, against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondnn as tdnn
+from helpers import DEVICE, assert_close
+from tritondnn.ops import conv
+from tritondnn.ops.conv import conv_backward_reference, conv_reference
+from tritondnn.ops.epilogue import Epilogue
+
+FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
+ENGINE = "gemm_1x1"
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+# (x shape, cout, stride): narrow and wide outputs (the matmul may transpose a narrow product),
+# strides that sample every other pixel, odd sizes.
+CASES = [
+    ((2, 16, 6, 5), 24, (1, 1)),
+    ((2, 12, 7, 9), 40, (2, 2)),
+    ((3, 40, 5, 4), 8, (1, 1)),
+    ((2, 8, 11), 20, (3,)),
+    ((1, 6, 3, 5, 4), 10, (1, 2, 2)),
+]
+
+
+def _ids(case) -> str:
+    return f"{len(case[0]) - 2}d-{case[0]}-{case[1]}-s{case[2]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_with_epilogue(case, poison):
+    shape, cout, stride = case
+    nd = len(shape) - 2
+    x = channels_last(torch.randn(shape, device=DEVICE))
+    w = torch.randn(cout, shape[1], *(1,) * nd, device=DEVICE) / 3
+    b = torch.randn(cout, device=DEVICE)
+    ref = conv_reference(x, w, None, stride, ((0, 0),) * nd, (1,) * nd, 1)
+    y = FNS[nd](x, w, None, stride, algo=ENGINE)
+    assert_close(y, ref, what="plain")
+    assert y.stride(1) == 1  # channels-last in, channels-last out
+    c, r = torch.randn_like(y), torch.randn_like(y)
+    epi = Epilogue(alpha=0.5, beta=2.0, activation="gelu", residual=True, store_preactivation=True)
+    y, pre = FNS[nd](x, w, b, stride, algo=ENGINE, epilogue=epi, c=c, residual=r)
+    ref_pre = 0.5 * ref + 2 * c.double() + b.double().view(1, -1, *(1,) * nd)
+    assert_close(pre, ref_pre, what="pre-activation")
+    assert_close(y, F.gelu(ref_pre) + r.double(), what="fused epilogue")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_gradients(case, poison):
+    shape, cout, stride = case
+    nd = len(shape) - 2
+    x = channels_last(torch.randn(shape, device=DEVICE))
+    w = torch.randn(cout, shape[1], *(1,) * nd, device=DEVICE) / 3
+    pads, dilation = ((0, 0),) * nd, (1,) * nd
+    dy = channels_last(
+        torch.randn(conv_reference(x, w, None, stride, pads, dilation, 1).shape, device=DEVICE)
+    )
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, 1)
+    dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, 1, algo=ENGINE)
+    assert_close(dw, rw, what="wgrad")
+    if all(s == 1 for s in stride):
+        dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, 1, algo=ENGINE)
+        assert_close(dx, rx, what="dgrad")
+        assert dx.stride(1) == 1
+
+
+def test_half_precision_and_autograd():
+    x = channels_last(torch.randn(4, 32, 6, 6, device=DEVICE)).half().requires_grad_()
+    w = (torch.randn(48, 32, 1, 1, device=DEVICE) / 4).half().requires_grad_()
+    ref = conv_reference(x.detach(), w.detach(), None, (1, 1), ((0, 0), (0, 0)), (1, 1), 1)
+    y = conv.conv2d(x, w, algo=ENGINE)
+    assert_close(y, ref, ref.half(), what="fp16 forward")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    rx, rw = conv_backward_reference(x.detach(), w.detach(), dy, (1, 1), ((0, 0), (0, 0)), (1, 1), 1)
+    assert_close(x.grad, rx, rx.half(), what="fp16 dx")
+    assert_close(w.grad, rw, rw.half(), what="fp16 dw")
+
+
+def test_not_supported_reasons():
+    x = channels_last(torch.randn(2, 8, 5, 5, device=DEVICE))
+    reasons = {r.name: r for r in tdnn.engines("conv", x, torch.randn(8, 8, 1, 1, device=DEVICE))}
+    assert reasons[ENGINE].supported
+    for weight, kwargs, why in [
+        (torch.randn(8, 8, 3, 3, device=DEVICE), {}, "1x1 kernel"),
+        (torch.randn(8, 4, 1, 1, device=DEVICE), {"groups": 2}, "one group"),
+        (torch.randn(8, 8, 1, 1, device=DEVICE), {"padding": 1}, "no padding"),
+    ]:
+        with pytest.raises(tdnn.NotSupportedError, match=why):
+            conv.conv2d(x, weight, algo=ENGINE, **kwargs)
+    with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
+        conv.conv2d(x.contiguous(), torch.randn(8, 8, 1, 1, device=DEVICE), algo=ENGINE)
+    dy = channels_last(torch.randn(2, 8, 3, 3, device=DEVICE))
+    with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
+        conv.conv_backward_data(dy, torch.randn(8, 8, 1, 1, device=DEVICE), x.shape, 2, 0, 1, 1, algo=ENGINE)

@@ -337,22 +337,8 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
-        configs.sort(key=lambda c: _tile_time(p, c))
+        configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
     return configs
-
-
-def _tile_efficiency(config: LaunchConfig) -> float:
-    """The share of the peak rate a tile's MMAs can reach: a BM x BN tile loads BM + BN rows per
-    BM * BN products, and below the 128x256 tile's ratio the loads, not the MMAs, set the pace."""
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    return min(1.0, bm * bn / (bm + bn) / (128 * 256 / 384))
-
-
-def _tile_time(p: MatmulProblem, config: LaunchConfig) -> float:
-    """Relative time of the problem in ``config``'s tiles: waves of programs times the time of one
-    tile. (H100, bf16 3136x512x2048: 128x128 tiles 22.5 us, 64x64 ones 37.2, 128x256 29.3.)"""
-    programs = cdiv(p.m, config["BLOCK_M"]) * cdiv(p.n, config["BLOCK_N"]) * p.batch
-    return cdiv(programs, sm_count()) * config["BLOCK_M"] * config["BLOCK_N"] / _tile_efficiency(config)
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -373,7 +359,7 @@ class TiledEngine(Engine[MatmulProblem]):
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = 0.8 * _wave_util(programs) * _tile_efficiency(c) * slow_tf32
+        compute = 0.8 * _wave_util(programs) * slow_tf32
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -478,13 +464,11 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         return reasons
 
     def cost(self, problem: MatmulProblem) -> float:
-        # The best tile by the model (the first config may be a measured exception to it).
-        c = min(_tile_configs(problem), key=lambda c: _tile_time(problem, c))
+        c = _tile_configs(problem)[0]  # the model's tile (the first config may be a measured exception)
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
         repack_a, repack_b = _tf32_repacks(problem)
         copied = 8 * (repack_a * problem.m * problem.k + repack_b * problem.k * problem.n)  # read + write
-        compute = 0.9 * _wave_util(tiles) * _tile_efficiency(c)
-        kernel = _roofline(problem, compute, 0.65 * min(1.0, tiles / sm_count()))
+        kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
         return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -608,29 +592,19 @@ _PAIRED = {
 
 
 def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
-    """The config that goes first for a 16-bit problem of few big tiles or a short K, if any.
-
-    128x256 tiles that leave SMs idle in their last wave, or a K loop of a few steps (the epilogue
-    then takes a large share), run best as 128x128 tiles: two programs per SM where there are
-    enough tiles (one's epilogue overlaps the other's MMAs), otherwise one. Measured on H100
-    (bf16, ResNet-50's 1x1 convolutions as GEMMs, us; the heuristic's pick before -> this one):
-    50176x512x128 53.2 (split-K) -> 30.7, 200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128)
-    -> 24.4, 3136x2048x1024 32.8 -> 30.8, 3136x512x2048 37.2 (64x64) -> 22.5 (one per SM; paired
-    26.0). Left as they were: 128x256 tiles that fill their waves (2048^3 with 128 of them: 31.4 us
-    against 35.4 for 128x128).
+    """The paired config (two 128x128 programs per SM) where it goes first for a 16-bit problem:
+    K of at most 1024 and either 128x256 tiles that would leave SMs idle in their last wave or a
+    K of at most 256 (then the epilogue takes a large share). Measured on H100 (bf16, ResNet-50's
+    1x1 convolutions as GEMMs; us, the pick before -> paired): 50176x512x128 53.2 (split-K) ->
+    30.7, 200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128 tiles) -> 24.4, 3136x2048x1024
+    32.8 -> 30.8, 12544x1024x256 24.8 -> 23.3. (A longer K was not measured better: a weight
+    gradient's K = 3136 ran 56.7 us in 128x128 tiles against 24.4 split over K.)
     """
-    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1:
+    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or p.k > 1024:
         return None
-    big = cdiv(p.m, 128) * cdiv(p.n, 256)
-    square = cdiv(p.m, 128) * cdiv(p.n, 128)
-    few = _wave_util(big) < 0.85
-    if not (few or p.k <= 256):
-        return None
-    if square < sm_count():
-        return {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": False, "FLATTEN": False}
-    return (
-        _PAIRED if p.k <= 1024 else {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": True, "FLATTEN": False}
-    )
+    few = _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) < 0.85
+    enough = cdiv(p.m, 128) * cdiv(p.n, 128) >= sm_count()
+    return _PAIRED if enough and (few or p.k <= 256) else None
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:

@@ -101,17 +101,11 @@ def _copy_cost(p: ConvProblem) -> float:
 
 def _cost(p: ConvProblem) -> float:
     lay, choice = _matmul(p)
-    # The matmul's model meets the convolutions' here; measured on H100 (bf16, N = 64, seven of
-    # ResNet-50's 1x1 layers), the product over pixels ran at 0.97-1.61x the boxed engine's time
-    # forward and 0.80-1.71x for the data gradient, and at 0.50-1.24x the weight-gradient engines'
-    # time (1024->2048 stride 2: 40.0 us against 71.2; 256->512 stride 2: 91.2 against 73.5): so the
-    # pixel-major products count half as much again.
-    scale = 1.0 if p.direction == "wgrad" else 1.5
-    return scale * choice.engine.cost(lay.problem) + _copy_cost(p)
+    return choice.engine.cost(lay.problem) + _copy_cost(p)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A dense channels-last (N, C, *spatial) tensor as its [pixels, C] matrix (a view)."""
+    """A dense channels-last (N, C, *spatial) tensor as its [pixels, C] matrix."""
     return t.movedim(1, -1).reshape(-1, t.shape[1])
 
 
@@ -124,41 +118,24 @@ def _sampled_rows(x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
 
 def _bind(p: ConvProblem) -> Callable[..., None]:
     """``run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1)`` for the forward (src x,
-    dst y) or the data gradient (src dy, dst dx)."""
+    dst y) or the data gradient (src dy, dst dx).
+
+    The kernels address every operand through the problem's strides, so the convolution's own
+    tensors are passed as they are (each matrix starts at its tensor's first element): views made
+    per call cost host time that a 20 us product cannot hide."""
     lay, choice = _matmul(p)
     launch = choice.engine.bind(lay.problem, choice.config)
-    cin, cout = p.cin, p.cout
-    ws = p.w_strides
-    w_shape, w_strides = (
-        ((cout, cin), (ws[0], ws[1])) if p.direction == "dgrad" else ((cin, cout), (ws[1], ws[0]))
-    )
+    strided = p.stride != (1, 1, 1)
 
     def run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
-        a = _sampled_rows(src, p)
-        b = w.as_strided(w_shape, w_strides, w.storage_offset())
-        out = _rows(dst)
+        a, b = (_sampled_rows(src, p) if strided else src), w
         if lay.swapped:
             a, b = b, a
-        extra = [
-            _rows(t) if used else out
-            for t, used in ((c, p.has_c), (residual, p.residual), (pre, p.store_pre))
-        ]
-        launch(
-            a,
-            b,
-            out,
-            extra[0],
-            bias if p.bias else out,
-            extra[1],
-            extra[2],
-            out,
-            out,
-            out,
-            alpha,
-            beta,
-            p0,
-            p1,
+        c, bias, residual, pre = (
+            t if used else dst
+            for t, used in ((c, p.has_c), (bias, p.bias), (residual, p.residual), (pre, p.store_pre))
         )
+        launch(a, b, dst, c, bias, residual, pre, dst, dst, dst, alpha, beta, p0, p1)
 
     return run
 
@@ -201,10 +178,12 @@ class GemmWgradEngine(_GemmEngine):
         lay, choice = _matmul(p)
         launch = choice.engine.bind(lay.problem, choice.config)
 
+        strided = p.stride != (1, 1, 1)
+
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            a, b, out = _rows(dy).t(), _sampled_rows(x, p), dw.view(p.cout, p.cin)
+            a, b = dy, (_sampled_rows(x, p) if strided else x)  # dy^T and x as in ``_bind``
             if lay.swapped:
                 a, b = b, a
-            launch(a, b, out, out, out, out, out, out, out, out, 1.0, 0.0, 0.0, 0.0)
+            launch(a, b, dw, dw, dw, dw, dw, dw, dw, dw, 1.0, 0.0, 0.0, 0.0)
 
         return run

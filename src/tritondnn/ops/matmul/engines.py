@@ -337,34 +337,8 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
-        if _tensor_cores(p):
-            configs.sort(key=lambda c: _tile_time(p, c))
-        else:
-            configs.sort(
-                key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch)
-            )
+        configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
     return configs
-
-
-def _tensor_cores(p: MatmulProblem) -> bool:
-    return p.fp8 or p.tf32 or p.dtypes[0] in ("float16", "bfloat16")
-
-
-def _tile_efficiency(p: MatmulProblem, config: LaunchConfig) -> float:
-    """The share of the tensor cores' rate an SM's resident tiles can reach: a BM x BN tile loads
-    BM + BN rows per BM * BN products, and below the 128x256 tile's ratio the loads set the pace
-    (two 128x128 programs on one SM count as a 256x128 tile). The FMA kernels (fp32, fp64): 1."""
-    if not _tensor_cores(p):
-        return 1.0
-    bm, bn = config["BLOCK_M"] * config.get("CTAS", 1), config["BLOCK_N"]
-    return min(1.0, bm * bn / (bm + bn) / (128 * 256 / 384))
-
-
-def _tile_time(p: MatmulProblem, config: LaunchConfig) -> float:
-    """Relative time of the problem in ``config``'s tiles: waves of programs times one tile's
-    time. (H100, bf16 3136x512x2048: 128x128 tiles 22.5 us, 64x64 ones 37.2, 128x256 29.3.)"""
-    programs = cdiv(p.m, config["BLOCK_M"]) * cdiv(p.n, config["BLOCK_N"]) * p.batch
-    return cdiv(programs, sm_count()) * config["BLOCK_M"] * config["BLOCK_N"] / _tile_efficiency(p, config)
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -385,7 +359,7 @@ class TiledEngine(Engine[MatmulProblem]):
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = 0.8 * _wave_util(programs) * _tile_efficiency(problem, c) * slow_tf32
+        compute = 0.8 * _wave_util(programs) * slow_tf32
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -490,13 +464,11 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         return reasons
 
     def cost(self, problem: MatmulProblem) -> float:
-        c = self.configs(problem)[0]
+        c = _tile_configs(problem)[0]  # the model's tile (the first config may be a measured exception)
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
-        slots = c.get("CTAS", 1) * sm_count()  # programs resident at once
         repack_a, repack_b = _tf32_repacks(problem)
         copied = 8 * (repack_a * problem.m * problem.k + repack_b * problem.k * problem.n)  # read + write
-        compute = 0.9 * tiles / (cdiv(tiles, slots) * slots) * _tile_efficiency(problem, c)
-        kernel = _roofline(problem, compute, 0.65 * min(1.0, tiles / sm_count()))
+        kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
         return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -620,23 +592,19 @@ _PAIRED = {
 
 
 def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
-    """The 128x128 config that goes first for a 16-bit problem whose 128x256 tiles would leave
-    SMs idle in their last wave, or whose K is a few steps (the epilogue then takes a large
-    share); None for the others. Two programs per SM (``_PAIRED``) where there are tiles enough
-    and K is at most 1024, otherwise one. Measured on H100 (bf16, ResNet-50's 1x1 convolutions
-    as GEMMs; us, the pick before -> this one): 50176x512x128 53.2 (split-K) -> 30.7,
-    200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128 tiles) -> 24.4, 3136x2048x1024 32.8
-    -> 30.8, 12544x1024x256 24.8 -> 23.3, 3136x512x2048 37.2 (64x64) -> 22.5. Longer K is left to
-    split-K (a weight gradient's K = 3136 ran 56.7 us in 128x128 tiles, 24.4 split).
+    """The paired config (two 128x128 programs per SM) where it goes first for a 16-bit problem:
+    K of at most 1024 and either 128x256 tiles that would leave SMs idle in their last wave or a
+    K of at most 256 (then the epilogue takes a large share). Measured on H100 (bf16, ResNet-50's
+    1x1 convolutions as GEMMs; us, the pick before -> paired): 50176x512x128 53.2 (split-K) ->
+    30.7, 200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128 tiles) -> 24.4, 3136x2048x1024
+    32.8 -> 30.8, 12544x1024x256 24.8 -> 23.3. (A longer K was not measured better: a weight
+    gradient's K = 3136 ran 56.7 us in 128x128 tiles against 24.4 split over K.)
     """
-    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or p.k > 2048:
+    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or p.k > 1024:
         return None
     few = _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) < 0.85
-    if not (few or p.k <= 256):
-        return None
-    if p.k <= 1024 and cdiv(p.m, 128) * cdiv(p.n, 128) >= sm_count():
-        return _PAIRED
-    return {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": False, "FLATTEN": False} if few else None
+    enough = cdiv(p.m, 128) * cdiv(p.n, 128) >= sm_count()
+    return _PAIRED if enough and (few or p.k <= 256) else None
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:

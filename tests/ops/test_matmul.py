@@ -397,8 +397,9 @@ def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
 
 def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
     """With H100's 132 SMs and K up to 1024: where 128x256 tiles would leave SMs idle, or K is a
-    few steps, two 128x128 programs per SM go first; where big tiles fill their waves, or K is
-    long, the order stays; split-K declines a K it cannot split."""
+    few steps, two 128x128 programs per SM go first; up to K = 2048 with a K-major A whose
+    128x128 tiles fit in one wave, one; where big tiles fill their waves, or K is longer, the
+    order stays; split-K declines a K it cannot split."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     persistent = mm_engines.PersistentTmaEngine()
     shapes = {
@@ -411,6 +412,9 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
     first = {name: persistent.configs(_meta_problem(*shape))[0] for name, shape in shapes.items()}
     assert first["few"] == first["short K"] == mm_engines._PAIRED
     assert all(first[name].get("CTAS", 1) == 1 for name in ("long K", "full waves", "many"))
+    assert (first["long K"]["BLOCK_M"], first["long K"]["BLOCK_N"]) == (128, 128)  # K-major A
+    weight_gradient = _meta_problem(2048, 1024, 3136)  # K beyond 2048
+    assert mm_engines._medium_lead(weight_gradient) is None
     assert (first["full waves"]["BLOCK_M"], first["full waves"]["BLOCK_N"]) == (128, 256)
     assert (
         "too short to split"

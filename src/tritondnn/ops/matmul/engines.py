@@ -599,12 +599,21 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
     30.7, 200704x256x64 55.5 -> 52.4, 12544x256x1024 31.6 (64x128 tiles) -> 24.4, 3136x2048x1024
     32.8 -> 30.8, 12544x1024x256 24.8 -> 23.3. (A longer K was not measured better: a weight
     gradient's K = 3136 ran 56.7 us in 128x128 tiles against 24.4 split over K.)
+
+    Up to K = 2048, a K-major A whose 128x128 tiles all fit in one wave takes them one program per
+    SM: 3136x512x2048 ran 22.5 us so, against 37.2 in the 64x64 tiles the wave count picked (and
+    26.0 paired). (With an M-major A, as in a weight gradient, 128x128 tiles lost: 2048x1024x3136
+    98.6 us against 39.5.)
     """
-    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or p.k > 1024:
+    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or p.k > 2048:
         return None
     few = _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) < 0.85
-    enough = cdiv(p.m, 128) * cdiv(p.n, 128) >= sm_count()
-    return _PAIRED if enough and (few or p.k <= 256) else None
+    square = cdiv(p.m, 128) * cdiv(p.n, 128)
+    if p.k <= 1024 and square >= sm_count() and (few or p.k <= 256):
+        return _PAIRED
+    if few and square < sm_count() and p.k > 1024 and p.a_strides[3] == 1:
+        return {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": False, "FLATTEN": False}
+    return None
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:

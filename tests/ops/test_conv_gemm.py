@@ -36,13 +36,19 @@ def _ids(case) -> str:
     return f"{len(case[0]) - 2}d-{case[0]}-{case[1]}-s{case[2]}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_forward_with_epilogue(case, poison):
-    shape, cout, stride = case
+def _operands(case) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(rank, channels-last x, 1x1 weights) of a case."""
+    shape, cout, _ = case
     nd = len(shape) - 2
     x = channels_last(torch.randn(shape, device=DEVICE))
-    w = torch.randn(cout, shape[1], *(1,) * nd, device=DEVICE) / 3
-    b = torch.randn(cout, device=DEVICE)
+    return nd, x, torch.randn(cout, shape[1], *(1,) * nd, device=DEVICE) / 3
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_with_epilogue(case, poison):
+    nd, x, w = _operands(case)
+    stride = case[2]
+    b = torch.randn(w.shape[0], device=DEVICE)
     ref = conv_reference(x, w, None, stride, ((0, 0),) * nd, (1,) * nd, 1)
     y = FNS[nd](x, w, None, stride, algo=ENGINE)
     assert_close(y, ref, what="plain")
@@ -57,10 +63,8 @@ def test_forward_with_epilogue(case, poison):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_gradients(case, poison):
-    shape, cout, stride = case
-    nd = len(shape) - 2
-    x = channels_last(torch.randn(shape, device=DEVICE))
-    w = torch.randn(cout, shape[1], *(1,) * nd, device=DEVICE) / 3
+    nd, x, w = _operands(case)
+    stride = case[2]
     pads, dilation = ((0, 0),) * nd, (1,) * nd
     dy = channels_last(
         torch.randn(conv_reference(x, w, None, stride, pads, dilation, 1).shape, device=DEVICE)

@@ -99,6 +99,7 @@ def test_not_supported_reasons():
         (torch.randn(8, 8, 3, 3, device=DEVICE), {}, "1x1 kernel"),
         (torch.randn(8, 4, 1, 1, device=DEVICE), {"groups": 2}, "one group"),
         (torch.randn(8, 8, 1, 1, device=DEVICE), {"padding": 1}, "no padding"),
+        (torch.randn(8, 8, 1, 1, device=DEVICE), {"padding": ((0, 1), (0, 0))}, "no padding"),
     ]:
         with pytest.raises(tdnn.NotSupportedError, match=why):
             conv.conv2d(x, weight, algo=ENGINE, **kwargs)

@@ -11,8 +11,7 @@ A stride-s forward or weight gradient reads every s-th pixel: those rows are cop
 matrix first (the only extra traffic, 1/s^2 of x). The matrix products then take what the matmul
 family would choose for them: the persistent TMA kernel on Hopper, the skinny kernel for narrow
 outputs, split-K (deterministic: partial sums added in a fixed order) for the weight gradient's
-long reduction. The convolution engines read each pixel's taps through address arithmetic; here
-none is needed, and the GEMM runs at the matmul's rate.
+long reduction. The other convolution engines address each pixel's taps; here there are none.
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ def _reasons(p: ConvProblem) -> list[str]:
     reasons = []
     if p.kernel != (1, 1, 1):
         reasons.append(f"needs a 1x1 kernel (got {p.kernel[3 - p.nd :]})")
-    if p.pad != (0, 0, 0):
-        reasons.append(f"needs no padding (got {p.pad[3 - p.nd :]})")
+    sampled = tuple((size - 1) // s + 1 for size, s in zip(p.in_size, p.stride))
+    if p.pad != (0, 0, 0) or p.out_size != sampled:  # the second: padding after the input
+        reasons.append(f"needs no padding (got {p.pad[3 - p.nd :]} before the input)")
     if p.groups != 1:
         reasons.append(f"needs one group (got {p.groups})")
     if not p.channels_last:

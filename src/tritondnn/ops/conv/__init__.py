@@ -16,13 +16,16 @@ the same bits on every run, with or without ``tdnn.config.deterministic``.
 Engines (``tdnn.engines("conv", x, w, ...)`` lists them with their reasons): ``implicit_gemm``,
 ``boxed_gemm`` (Hopper, channels-last: image tiles as tensor-descriptor boxes, the padding filled
 by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(2x2, 3x3)),
-``fft``; the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1)
-and ``depthwise``, the weight-gradient family ``conv_wgrad`` ``implicit_gemm``, ``shifted_gemm``
-(Hopper, stride-1 channels-last: per tap, pixel rows shifted by a constant) and ``depthwise``.
+``fft``, ``gemm_1x1`` (1x1 channels-last, one group, no padding: one ``tdnn.matmul`` product);
+the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
+``depthwise`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
+``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
+by a constant), ``depthwise`` and ``gemm_1x1``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``boxed``, ``shifted``, ``depthwise``, ``winograd``, ``fft``, ``plans`` (per-shape plans,
-torch.library ops), ``autograd``, ``reference``; this module holds the public functions.
+``engines``, ``boxed``, ``shifted``, ``gemm``, ``depthwise``, ``winograd``, ``fft``, ``plans``
+(per-shape plans, torch.library ops), ``autograd``, ``reference``; this module holds the public
+functions.
 """
 
 from __future__ import annotations
@@ -166,7 +169,7 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
     mismatches, zero strides, kernels larger than the padded input.
     """
 
-_ENGINES = "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft'"
+_ENGINES = "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft', 'gemm_1x1'"
 
 
 @autocast_policy(LOWER, LOWER)
@@ -325,7 +328,8 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
         input: (N, C_in, ...) or unbatched; weight: (C_in, C_out / groups, *kernel).
         stride, padding, output_padding, dilation: ints or {nd} ints; output_padding smaller than
             stride or dilation.
-        algo: 'implicit_gemm', 'boxed_gemm' or 'depthwise' (the data-gradient engines), or None.
+        algo: 'implicit_gemm', 'boxed_gemm', 'depthwise' or 'gemm_1x1' (the data-gradient
+            engines), or None.
         epilogue, c, residual: as ``conv{nd}d``.
 
     Returns (N, C_out, *out) with out = (in - 1) * stride - 2 * padding + dilation * (k - 1) +
@@ -464,7 +468,7 @@ def conv_backward_data(
     for the output gradient ``grad_output`` (N, C_out, *out). Padding as ``conv2d`` (pairs allowed).
     The result takes grad_output's layout (contiguous or channels-last). Stride > 1 runs as
     stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
-    ('implicit_gemm', 'boxed_gemm', 'depthwise'). Differentiable."""
+    ('implicit_gemm', 'boxed_gemm', 'depthwise', 'gemm_1x1'). Differentiable."""
     op = "tdnn.conv_backward_data"
     check_tensor_pair(op, grad_output, "grad_output", weight, "weight")
     input_size = tuple(int(s) for s in input_size)
@@ -541,8 +545,8 @@ def conv_backward_weight(
     """cuDNN's backward-filter (``torch.nn.grad.conv{1,2,3}d_weight``): the gradient of
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
-    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'depthwise'). Returns a contiguous
-    tensor in the input's dtype."""
+    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'depthwise', 'gemm_1x1'). Returns a
+    contiguous tensor in the input's dtype."""
     op = "tdnn.conv_backward_weight"
     check_tensor_pair(op, input, "input", grad_output, "grad_output")
     weight_size = tuple(int(s) for s in weight_size)

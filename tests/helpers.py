@@ -55,15 +55,16 @@ def grads(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch
 
 
 def run_processes(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 300.0) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` forked processes (gloo tests); a process that fails
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes (gloo tests); a process that fails
     raises here, and one still running after ``timeout`` seconds fails the test instead of
-    hanging the suite."""
+    hanging the suite. Spawned, not forked: a forked child inherits whatever locks the parent's
+    other threads held at the fork, and a CI run hung so (the DDP test, 300 s)."""
     import time
 
     import pytest
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork", join=False)
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -53,7 +53,7 @@ def _train(model: torch.nn.Module, rows: slice, reduce=None) -> list[float]:
 
 
 def _worker(rank: int, port: int, wrapper: str, out: str) -> None:
-    # A forked child must not enter the OpenMP pool the parent may have started: it would hang.
+    # One thread a process: the ranks share CI's two cores with the other test worker.
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

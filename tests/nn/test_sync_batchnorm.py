@@ -37,7 +37,7 @@ def _data(channels_last: bool):
 
 
 def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
-    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool: it would hang
+    torch.set_num_threads(1)  # one thread a process: the ranks share CI's two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=len(SIZES))
     try:

@@ -110,16 +110,10 @@ def _cost(p: ConvProblem) -> float:
     return scale * choice.engine.cost(lay.problem) + _copy_cost(p)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A dense channels-last (N, C, *spatial) tensor as its [pixels, C] matrix."""
-    return t.movedim(1, -1).reshape(-1, t.shape[1])
-
-
 def _sampled_rows(x: torch.Tensor, p: ConvProblem) -> torch.Tensor:
-    """x's [pixels, C] matrix of the pixels a stride-s 1x1 convolution reads (a copy if s > 1)."""
-    if p.stride != (1, 1, 1):
-        x = x[(slice(None), slice(None), *(slice(None, None, s) for s in p.stride[3 - p.nd :]))]
-    return _rows(x)
+    """A dense [pixels, C] copy of the pixels a stride-s 1x1 convolution reads from x."""
+    x = x[(slice(None), slice(None), *(slice(None, None, s) for s in p.stride[3 - p.nd :]))]
+    return x.movedim(1, -1).reshape(-1, x.shape[1])
 
 
 def _bind(p: ConvProblem) -> Callable[..., None]:
@@ -158,21 +152,18 @@ class _GemmEngine(Engine[ConvProblem]):
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return [{}]  # the matmul family picks its own engine and configuration
 
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _bind(problem)
+
 
 @FAMILY.register
 class GemmForwardEngine(_GemmEngine):
     """A 1x1 channels-last convolution (any stride, one group) as one GEMM with its epilogue."""
 
-    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        return _bind(problem)
-
 
 @DGRAD_FAMILY.register
 class GemmDgradEngine(_GemmEngine):
     """The data gradient of a stride-1 1x1 channels-last convolution as one GEMM."""
-
-    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        return _bind(problem)
 
 
 @WGRAD_FAMILY.register
@@ -183,7 +174,6 @@ class GemmWgradEngine(_GemmEngine):
         p = problem
         lay, choice = _matmul(p)
         launch = choice.engine.bind(lay.problem, choice.config)
-
         strided = p.stride != (1, 1, 1)
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:

@@ -430,8 +430,9 @@ class LoopedEngine(_GroupEngine):
         return [(1, max(1, t // block_c)) for t in tiles]
 
 
-# The channels_last forward's split engine (statistics, finalize, apply) lives in group_split.py.
-from . import group_split  # noqa: E402, F401  (registers the engine on FAMILY)
+# The channels_last split engine (statistics, finalize, apply) lives in group_split.py, the
+# pipelined one (both directions, one launch) in group_pipeline.py.
+from . import group_pipeline, group_split  # noqa: E402, F401  (they register their engines on FAMILY)
 
 # ---------------------------------------------------------------------------------------------
 # 4. torch.library ops and autograd.

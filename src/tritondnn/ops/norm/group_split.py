@@ -56,28 +56,49 @@ def _split_stats_kernel(
 
 
 @triton.jit
-def _split_finalize_kernel(
-    x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr,
-    eps,
+def sum_splits(
+    part_ptr, first, splits, ch, m, n_channels,
+    ACC: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """Sums over rows [first, first + splits) of a (rows, 2, C) buffer of per-channel partials, at
+    the [G, J] channel indices ``ch`` (mask ``m``): (sum of part[:, 0], sum of part[:, 1]).
+    BLOCK_K rows are loaded at once, one memory round trip per BLOCK_K rows (the finalize sits on
+    the path between a sample's statistics and its apply pass). The rows are added in a fixed
+    order: the same bits on every run."""
+    k = tl.arange(0, BLOCK_K)[:, None, None]
+    total = tl.zeros(ch.shape, ACC)
+    total_sq = tl.zeros(ch.shape, ACC)
+    for k0 in range(0, splits, BLOCK_K):
+        mask = (k0 + k < splits) & m[None, :, :]
+        at = part_ptr + (first + k0 + k) * 2 * n_channels + ch[None, :, :]
+        total += tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=CACHE), 0)
+        total_sq += tl.sum(tl.load(at + n_channels, mask=mask, other=0.0, cache_modifier=CACHE), 0)
+    return total, total_sq
+
+
+def rows_per_load(splits: int, block_g: int, block_j: int) -> int:
+    """BLOCK_K for sum_splits: rows of partials a 4096-element load covers."""
+    return max(1, min(triton.next_power_of_2(splits), 4096 // (block_g * block_j)))
+
+
+@triton.jit
+def finalize_sample(
+    x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr, eps, n,
     spatial, splits, n_channels, n_groups, cpg, stride_n,
     ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    """Sample n's group statistics from its channels' partial sums: per channel mean and squared
-    deviations (shift + S/count, SS - S**2/count), merged over a group's channels (Chan et al.).
-    Writes mean and 1/std per (n, group), and per (n, channel) the group mean and w * rstd for
-    the apply kernel. Grid: (N,)."""
-    n = tl.program_id(0)
+    """Sample n's group statistics from its channels' partial sums ``part[n, split, 0 or 1, c]``:
+    per channel mean and squared deviations (shift + S/count, SS - S**2/count), merged over a
+    group's channels (Chan et al.). Writes mean and 1/std per (n, group), and per (n, channel)
+    the group mean and w * rstd for the apply pass. ``CACHE`` is the partials' load cache
+    modifier (".cg" where other programs of the same launch wrote them)."""
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_J)[None, :]
     ch = g * cpg + j
     m = (g < n_groups) & (j < cpg)
     shift = convert(tl.load(x_ptr + n.to(tl.int64) * stride_n + ch, mask=m, other=0.0), ACC)
-    total = tl.zeros([BLOCK_G, BLOCK_J], ACC)
-    total_sq = tl.zeros([BLOCK_G, BLOCK_J], ACC)
-    for k in range(0, splits):  # a fixed order: the same bits on every run
-        at = part_ptr + (n * splits + k) * 2 * n_channels + ch
-        total += tl.load(at, mask=m, other=0.0)
-        total_sq += tl.load(at + n_channels, mask=m, other=0.0)
+    total, total_sq = sum_splits(part_ptr, n * splits, splits, ch, m, n_channels, ACC, BLOCK_K, CACHE)
     count = tl.sum(tl.zeros([1], ACC), 0) + spatial  # spatial may be a constexpr (a size of 1)
     mean_c = shift + total / count
     m2_c = tl.where(m, tl.maximum(total_sq - total * total / count, 0.0), 0.0)
@@ -93,6 +114,21 @@ def _split_finalize_kernel(
         scale = scale * convert(tl.load(w_ptr + ch, mask=m, other=0.0), ACC)
     tl.store(cmean_ptr + n * n_channels + ch, tl.broadcast_to(mean_g[:, None], [BLOCK_G, BLOCK_J]), mask=m)
     tl.store(cscale_ptr + n * n_channels + ch, scale, mask=m)
+
+
+@triton.jit
+def _split_finalize_kernel(
+    x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr,
+    eps,
+    spatial, splits, n_channels, n_groups, cpg, stride_n,
+    ACC: tl.constexpr, HAS_W: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (N,): finalize_sample for each sample."""
+    finalize_sample(
+        x_ptr, part_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr, eps, tl.program_id(0),
+        spatial, splits, n_channels, n_groups, cpg, stride_n, ACC, HAS_W, BLOCK_G, BLOCK_J, BLOCK_K, "",
+    )  # fmt: skip
 
 
 @triton.jit
@@ -176,13 +212,13 @@ class SplitEngine(Engine[GroupNormProblem]):
             (p.acc, index_64, block_s, block_c),
             num_warps=warps,
         )
-        block_j = triton.next_power_of_2(p.cpg)
+        block_g, block_j = triton.next_power_of_2(p.groups), triton.next_power_of_2(p.cpg)
         finalize = launcher(
             _split_finalize_kernel,
             (p.n,),
             7,
             (p.spatial, splits, p.channels, p.groups, p.cpg, stride_n),
-            (p.acc, p.has_w, triton.next_power_of_2(p.groups), block_j),
+            (p.acc, p.has_w, block_g, block_j, rows_per_load(splits, block_g, block_j)),
             num_warps=4,
         )
         apply = launcher(

@@ -168,13 +168,14 @@ def _forward_kernel(
 
 
 @triton.jit
-def _grad_tile(
+def grad_tile(
     dy_ptr, x_ptr, offs, mask, w, b, mean, rstd, act_p0, act_p1,
-    ACC: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    ACC: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, POLICY: tl.constexpr,
 ):  # fmt: skip
-    """(dy through the activation, x-hat, w * dy) of one tile; ``w`` is 1 without a weight."""
-    x = convert(tl.load(x_ptr + offs, mask=mask, other=0.0), ACC)
-    dy = convert(tl.load(dy_ptr + offs, mask=mask, other=0.0), ACC)
+    """(dy through the activation, x-hat, w * dy) of one tile; ``w`` is 1 without a weight.
+    POLICY: the loads' L2 eviction policy."""
+    x = convert(tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY), ACC)
+    dy = convert(tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY), ACC)
     xhat = tl.where(mask, (x - mean) * rstd, 0.0)
     if ACT >= 0:
         z = xhat * w
@@ -209,8 +210,8 @@ def _backward_kernel(
         b = convert(tl.load(b_ptr + channel, mask=ch_mask, other=0.0), ACC)
     if ONE_BLOCK:
         mask = ch_mask & (pos < spatial)
-        dy, xhat, wdy = _grad_tile(
-            dy_ptr, x_ptr, offs, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT
+        dy, xhat, wdy = grad_tile(
+            dy_ptr, x_ptr, offs, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, ""
         )
         c1 = _sum_gc(xhat * wdy) / count
         c2 = _sum_gc(wdy) / count
@@ -226,8 +227,8 @@ def _backward_kernel(
         for s0 in range(0, spatial, BLOCK_S):
             mask = ch_mask & (s0 + pos < spatial)
             at = offs + s0 * stride_s
-            dy, xhat, wdy = _grad_tile(
-                dy_ptr, x_ptr, at, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT
+            dy, xhat, wdy = grad_tile(
+                dy_ptr, x_ptr, at, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, ""
             )
             c1 += _sum_gc(xhat * wdy)
             c2 += _sum_gc(wdy)
@@ -240,8 +241,8 @@ def _backward_kernel(
             s0 = (n_blocks - 1 - i) * BLOCK_S
             mask = ch_mask & (s0 + pos < spatial)
             at = offs + s0 * stride_s
-            dy, xhat, wdy = _grad_tile(
-                dy_ptr, x_ptr, at, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT
+            dy, xhat, wdy = grad_tile(
+                dy_ptr, x_ptr, at, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, ""
             )
             dx = (wdy - xhat * c1 - c2) * rstd
             tl.store(dx_ptr + at, convert(dx, dx_ptr.dtype.element_ty), mask=mask)

@@ -38,10 +38,10 @@ import triton.language as tl
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
-from ..activation import activation_gradient, activation_value
+from ..activation import activation_value
 from .common import sum_partials
-from .group import FAMILY, GroupNormProblem
-from .group_split import SPLIT_MAX_CHANNELS, finalize_sample, rows_per_load, sum_splits
+from .group import FAMILY, GroupNormProblem, grad_tile
+from .group_split import finalize_sample, row_tile_reasons, rows_per_load, sum_splits
 
 
 @triton.jit
@@ -84,13 +84,19 @@ def _wait(sync_ptr, n, chunks):
 
 
 @triton.jit
-def _rows(ptr, base, s0, end, rows, c, cm, stride_s, INDEX_64: tl.constexpr, POLICY: tl.constexpr):
-    """The [rows, C] tile at position s0 (masked at ``end``): (values, offsets, mask)."""
+def _row_offsets(base, s0, end, rows, c, cm, stride_s, INDEX_64: tl.constexpr):
+    """Offsets and mask of the [rows, C] tile at position s0, masked at ``end``."""
     pos = s0 + rows
     mask = (pos < end) & cm[None, :]
     if INDEX_64:
         pos = pos.to(tl.int64)
-    offs = base + pos * stride_s + c[None, :]
+    return base + pos * stride_s + c[None, :], mask
+
+
+@triton.jit
+def _rows(ptr, base, s0, end, rows, c, cm, stride_s, INDEX_64: tl.constexpr, POLICY: tl.constexpr):
+    """The [rows, C] tile at position s0 (masked at ``end``): (values, offsets, mask)."""
+    offs, mask = _row_offsets(base, s0, end, rows, c, cm, stride_s, INDEX_64)
     return tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY), offs, mask
 
 
@@ -162,23 +168,6 @@ def _pipelined_forward_kernel(
 
 
 @triton.jit
-def _grad_rows(
-    x_ptr, dy_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1,
-    ACC: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, POLICY: tl.constexpr,
-):  # fmt: skip
-    """(dy through the activation, x-hat) of a [rows, C] tile; mean, rstd, w, b are [1, C]."""
-    x = convert(tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY), ACC)
-    dy = convert(tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=POLICY), ACC)
-    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-    if ACT >= 0:
-        z = xhat * w
-        if HAS_B:
-            z = z + b
-        dy = activation_gradient(dy, z, ACT, False, act_p0, act_p1)
-    return tl.where(mask, dy, 0.0), xhat
-
-
-@triton.jit
 def _finalize_backward(
     w_ptr, part_ptr, coef_ptr, dw_ptr, db_ptr, n,
     spatial, chunks, n_samples, n_channels, n_groups, cpg,
@@ -243,28 +232,20 @@ def _pipelined_backward_kernel(
         c1 = tl.load(coef_ptr + n * n_channels + c, mask=cm, other=0.0, cache_modifier=".cg")[None, :]
         c2 = tl.load(coef_ptr + (n_samples + n) * n_channels + c, mask=cm, other=0.0, cache_modifier=".cg")
         for s0 in range(start, end, BLOCK_S):
-            pos = s0 + rows
-            mask = (pos < end) & cm[None, :]
-            if INDEX_64:
-                pos = pos.to(tl.int64)
-            offs = n * stride_n + pos * stride_s + c[None, :]
-            dy, xhat = _grad_rows(
-                x_ptr, dy_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACC, HAS_B, ACT, "evict_first"
+            offs, mask = _row_offsets(n * stride_n, s0, end, rows, c, cm, stride_s, INDEX_64)
+            dy, xhat, wdy = grad_tile(
+                dy_ptr, x_ptr, offs, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, "evict_first"
             )
-            dx = (w * dy - xhat * c1 - c2[None, :]) * rstd
+            dx = (wdy - xhat * c1 - c2[None, :]) * rstd
             dx = convert(dx, dx_ptr.dtype.element_ty)
             tl.store(dx_ptr + offs, dx, mask=mask, eviction_policy="evict_first")
     else:
         acc_dy = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         acc_dyx = tl.zeros([BLOCK_S, BLOCK_C], ACC)
         for s0 in range(start, end, BLOCK_S):
-            pos = s0 + rows
-            mask = (pos < end) & cm[None, :]
-            if INDEX_64:
-                pos = pos.to(tl.int64)
-            offs = n * stride_n + pos * stride_s + c[None, :]
-            dy, xhat = _grad_rows(
-                x_ptr, dy_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACC, HAS_B, ACT, "evict_last"
+            offs, mask = _row_offsets(n * stride_n, s0, end, rows, c, cm, stride_s, INDEX_64)
+            dy, xhat, _ = grad_tile(
+                dy_ptr, x_ptr, offs, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, "evict_last"
             )
             acc_dy += dy
             acc_dyx += dy * xhat
@@ -287,12 +268,7 @@ class PipelinedEngine(Engine[GroupNormProblem]):
     name = "pipelined"
 
     def not_supported_reasons(self, problem: GroupNormProblem) -> list[str]:
-        reasons = []
-        if not problem.channels_last:
-            reasons.append("reads rows of contiguous channels (channels_last)")
-        if problem.channels > SPLIT_MAX_CHANNELS:
-            reasons.append(f"{problem.channels} channels exceed a row tile of {SPLIT_MAX_CHANNELS}")
-        return reasons
+        return row_tile_reasons(problem)
 
     def cost(self, problem: GroupNormProblem) -> float:
         # Measured on H100 (bf16 64x256x56x56 channels_last): the backward at 217 us for 32

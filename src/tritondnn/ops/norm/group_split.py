@@ -160,8 +160,18 @@ def _split_apply_kernel(
     tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
 
 
-# Widest channel row the split engine keeps in one tile.
+# Widest channel row the split and pipelined engines keep in one tile.
 SPLIT_MAX_CHANNELS = 2048
+
+
+def row_tile_reasons(problem: GroupNormProblem) -> list[str]:
+    """Why the engines reading rows of all C channels (split, pipelined) cannot run a problem."""
+    reasons = []
+    if not problem.channels_last:
+        reasons.append("reads rows of contiguous channels (channels_last)")
+    if problem.channels > SPLIT_MAX_CHANNELS:
+        reasons.append(f"{problem.channels} channels exceed a row tile of {SPLIT_MAX_CHANNELS}")
+    return reasons
 
 
 @FAMILY.register
@@ -172,14 +182,7 @@ class SplitEngine(Engine[GroupNormProblem]):
     name = "split"
 
     def not_supported_reasons(self, problem: GroupNormProblem) -> list[str]:
-        reasons = []
-        if problem.backward:
-            reasons.append("a forward algorithm")
-        if not problem.channels_last:
-            reasons.append("reads rows of contiguous channels (channels_last)")
-        if problem.channels > SPLIT_MAX_CHANNELS:
-            reasons.append(f"{problem.channels} channels exceed a row tile of {SPLIT_MAX_CHANNELS}")
-        return reasons
+        return ["a forward algorithm"] * problem.backward + row_tile_reasons(problem)
 
     def cost(self, problem: GroupNormProblem) -> float:
         return 0.5

@@ -41,7 +41,7 @@ from ...core.numerics import convert
 from ..activation import activation_value
 from .common import sum_partials
 from .group import FAMILY, GroupNormProblem, grad_tile
-from .group_split import finalize_sample, row_tile_reasons, rows_per_load, sum_splits
+from .group_split import finalize_sample, group_channels, row_tile_reasons, rows_per_load, sum_splits
 
 
 @triton.jit
@@ -177,10 +177,7 @@ def _finalize_backward(
     """Sample n's sums of dy and dy * x-hat per channel, merged over its chunks in a fixed order:
     stored per (n, channel) for dbias and dweight, and reduced per group into dx's coefficients
     c1 = mean of w * dy * x-hat and c2 = mean of w * dy, stored per (n, channel) in coef[0/1]."""
-    g = tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_J)[None, :]
-    ch = g * cpg + j
-    m = (g < n_groups) & (j < cpg)
+    ch, m = group_channels(n_groups, cpg, BLOCK_G, BLOCK_J)
     sum_dy, sum_dyx = sum_splits(part_ptr, n * chunks, chunks, ch, m, n_channels, ACC, BLOCK_K, ".cg")
     if NEED_DW:
         tl.store(dw_ptr + n * n_channels + ch, sum_dyx, mask=m)
@@ -262,8 +259,9 @@ def _pipelined_backward_kernel(
 
 @FAMILY.register
 class PipelinedEngine(Engine[GroupNormProblem]):
-    """Channels-last forward and backward in one launch that reads each sample from DRAM once:
-    statistics and apply items in a ticket order that keeps a sample in L2 between the two."""
+    """Channels-last forward and backward in one launch each: statistics and apply items in a
+    ticket order meant to keep a sample in L2 between its two reads (70% of the second reads hit
+    L2 in the measurement of the module docstring)."""
 
     name = "pipelined"
 
@@ -299,7 +297,7 @@ class PipelinedEngine(Engine[GroupNormProblem]):
         rows, block_s = config["ROWS"], config["BLOCK_S"]
         chunks = cdiv(p.spatial, rows)
         items = p.n * chunks
-        element = 8 if p.dtypes[0] == "float64" else 4 if p.dtypes[0] == "float32" else 2
+        element = getattr(torch, p.dtypes[0]).itemsize
         lead = min(items, max(chunks, config["LEAD_BYTES"] // (rows * p.channels * element)))
         index_64 = p.n * p.strides[0] > 2**31 - 1
         stride_n, stride_s = p.strides[0], p.strides[2]

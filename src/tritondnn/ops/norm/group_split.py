@@ -56,6 +56,14 @@ def _split_stats_kernel(
 
 
 @triton.jit
+def group_channels(n_groups, cpg, BLOCK_G: tl.constexpr, BLOCK_J: tl.constexpr):
+    """A sample's channels as a [BLOCK_G, BLOCK_J] tile, one group a row: (channel index, mask)."""
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_J)[None, :]
+    return g * cpg + j, (g < n_groups) & (j < cpg)
+
+
+@triton.jit
 def sum_splits(
     part_ptr, first, splits, ch, m, n_channels,
     ACC: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
@@ -93,10 +101,7 @@ def finalize_sample(
     group's channels (Chan et al.). Writes mean and 1/std per (n, group), and per (n, channel)
     the group mean and w * rstd for the apply pass. ``CACHE`` is the partials' load cache
     modifier (".cg" where other programs of the same launch wrote them)."""
-    g = tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_J)[None, :]
-    ch = g * cpg + j
-    m = (g < n_groups) & (j < cpg)
+    ch, m = group_channels(n_groups, cpg, BLOCK_G, BLOCK_J)
     shift = convert(tl.load(x_ptr + n.to(tl.int64) * stride_n + ch, mask=m, other=0.0), ACC)
     total, total_sq = sum_splits(part_ptr, n * splits, splits, ch, m, n_channels, ACC, BLOCK_K, CACHE)
     count = tl.sum(tl.zeros([1], ACC), 0) + spatial  # spatial may be a constexpr (a size of 1)

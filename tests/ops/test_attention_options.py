@@ -38,6 +38,17 @@ def test_sliding_window(window, causal, align, poison):
     check(ours, ref, QKV(), f"window {window}")
 
 
+@pytest.mark.parametrize(
+    "window, align", [((20, -1), "top_left"), ((-1, 5), "bottom_right"), ((10, 3), "top_left")]
+)
+def test_sliding_window_whole_blocks(window, align, poison):
+    """Lengths that are whole key and query blocks: the kernels mask only the window's edges
+    (no key-range checks), each bound alone and both."""
+    ours = lambda q, k, v: sdpa(q, k, v, causal_alignment=align, window=window, enable_gqa=True)
+    ref = ref_bhsd(bottom_right=align == "bottom_right", window=window)
+    check(ours, ref, QKV(sq=64, skv=128), f"window {window}")
+
+
 def test_bool_mask(poison):
     inputs = QKV(b=2)
     mask = torch.rand(2, 1, 37, 45, device=DEVICE) > 0.5

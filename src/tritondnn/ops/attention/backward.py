@@ -34,6 +34,7 @@ from .common import (
     load_tile,
     modify,
     q_range,
+    row_offset,
     seq_bounds,
     softcap_scores,
     window_flags,
@@ -93,19 +94,23 @@ def _dkdv_loop(
     BIAS_GRAD: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, INDEX_64: tl.constexpr,
 ):  # fmt: skip
     # Tiles are transposed (keys along rows, queries along columns) so P^T and dS^T come out of the
     # products in the layout the dK and dV products take.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    # The first query block's pointers, moved by a scalar row offset each block.
+    first = row_offset(tl.arange(0, BLOCK_M), INDEX_64)
+    qt_first = Q_HEAD + first[None, :] * sqs + offs_d[:, None] * sqd
+    do_first = DO_HEAD + first[:, None] * sdos + offs_dv[None, :] * sdod
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         valid_m = offs_m < seqlen_q
-        rows = (q0 + offs_m).to(tl.int64)
+        row0 = row_offset(q0 + start_m, INDEX_64)
         qt = load_tile(
-            Q_HEAD + rows[None, :] * sqs + offs_d[:, None] * sqd, valid_m[None, :],
-            (offs_d < head_dim)[:, None], BOUNDARY, head_dim == BLOCK_D,
+            qt_first + row0 * sqs, valid_m[None, :], (offs_d < head_dim)[:, None], BOUNDARY,
+            head_dim == BLOCK_D,
         )  # fmt: skip
         st = dot(k, qt, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), PRECISION, UPCAST)
         st, t = softcap_scores(st, qk_scale, cap_scale, SOFTCAP)
@@ -114,18 +119,19 @@ def _dkdv_loop(
             slope2, MASK_ROW, smq, smk, BIAS_ROW, sbq, sbk,
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, BOUNDARY,
         )  # fmt: skip
+        stats = (row0 + first) * sls
         if BOUNDARY:
-            lse = tl.load(LSE_HEAD + rows * sls, mask=valid_m, other=float("inf"))
-            delta = tl.load(DELTA_HEAD + rows * sls, mask=valid_m, other=0.0)
+            lse = tl.load(LSE_HEAD + stats, mask=valid_m, other=float("inf"))
+            delta = tl.load(DELTA_HEAD + stats, mask=valid_m, other=0.0)
         else:
-            lse = tl.load(LSE_HEAD + rows * sls)
-            delta = tl.load(DELTA_HEAD + rows * sls)
+            lse = tl.load(LSE_HEAD + stats)
+            delta = tl.load(DELTA_HEAD + stats)
         # A row with no key stored lse = -inf: read it as +inf so its probabilities are 0.
         lse2 = tl.where(lse == -float("inf"), float("inf"), lse) * 1.4426950408889634
         pt = tl.math.exp2(st - lse2[None, :])
         do = load_tile(
-            DO_HEAD + rows[:, None] * sdos + offs_dv[None, :] * sdod, valid_m[:, None],
-            (offs_dv < head_dim_v)[None, :], BOUNDARY, head_dim_v == BLOCK_DV,
+            do_first + row0 * sdos, valid_m[:, None], (offs_dv < head_dim_v)[None, :], BOUNDARY,
+            head_dim_v == BLOCK_DV,
         )  # fmt: skip
         dpt = dot(v, tl.trans(do), tl.zeros([BLOCK_N, BLOCK_M], tl.float32), PRECISION, UPCAST)
         if DROPOUT:
@@ -150,6 +156,7 @@ def _dkdv_loop(
                 tl.trans(dst).to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), PRECISION, UPCAST
             )
             dq_mask = valid_m[:, None] & (offs_d < head_dim)[None, :]
+            rows = (q0 + offs_m).to(tl.int64)
             tl.atomic_add(
                 DQ_HEAD + rows[:, None] * sdqs + offs_d[None, :] * sdqd, dq * sm_scale, mask=dq_mask
             )
@@ -169,7 +176,7 @@ def attention_bwd_dkdv_kernel(
     SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, RAGGED: tl.constexpr, INDEX_64: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of BLOCK_N keys of one (batch, kv head), summed over its group's query heads."""
     pid_n = tl.program_id(0)
@@ -228,30 +235,34 @@ def attention_bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b64 * sab + h).to(tl.float32) * 1.4426950408889634
         rng_base = rng_offset + (b64 * hq + h) * seqlen_q_max * seqlen_kv_max
-        dk, dv = _dkdv_loop(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
-            lo, full_lo, offs_n, q0, seqlen_q, seqlen_kv, diag, window_left, window_right, slope2,
-            qk_scale, cap_scale, sm_scale, seed, rng_base, seqlen_kv_max, dropout_p,
-            sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
-            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
-            PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
-        )  # fmt: skip
+        # Query blocks crossing a bound: the causal/right edge (first loop), the window's left edge
+        # or ragged lengths (last loop); loops that cannot run are not compiled.
+        if HAS_RIGHT:
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
+                lo, full_lo, offs_n, q0, seqlen_q, seqlen_kv, diag, window_left, window_right, slope2,
+                qk_scale, cap_scale, sm_scale, seed, rng_base, seqlen_kv_max, dropout_p,
+                sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
+                HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
+                PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+            )  # fmt: skip
         dk, dv = _dkdv_loop(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
             full_lo, full_hi, offs_n, q0, seqlen_q, seqlen_kv, diag, window_left, window_right, slope2,
             qk_scale, cap_scale, sm_scale, seed, rng_base, seqlen_kv_max, dropout_p,
             sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
-            PRECISION, UPCAST, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
+            PRECISION, UPCAST, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
         )  # fmt: skip
-        dk, dv = _dkdv_loop(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
-            full_hi, hi, offs_n, q0, seqlen_q, seqlen_kv, diag, window_left, window_right, slope2,
-            qk_scale, cap_scale, sm_scale, seed, rng_base, seqlen_kv_max, dropout_p,
-            sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
-            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
-            PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
-        )  # fmt: skip
+        if HAS_LEFT or RAGGED:
+            dk, dv = _dkdv_loop(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
+                full_hi, hi, offs_n, q0, seqlen_q, seqlen_kv, diag, window_left, window_right, slope2,
+                qk_scale, cap_scale, sm_scale, seed, rng_base, seqlen_kv_max, dropout_p,
+                sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
+                HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
+                PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+            )  # fmt: skip
     store = valid_n
     if VARLEN == 1:
         store = offs_n < seqlen_kv_max
@@ -273,21 +284,25 @@ def _dq_loop(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BOUNDARY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    BLOCK_DV: tl.constexpr, head_dim: tl.constexpr, head_dim_v: tl.constexpr, INDEX_64: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    # The first key block's pointers, moved by a scalar row offset each block.
+    first = row_offset(tl.arange(0, BLOCK_N), INDEX_64)
+    kt_first = K_HEAD + first[None, :] * sks + offs_d[:, None] * skd
+    vt_first = V_HEAD + first[None, :] * svs + offs_dv[:, None] * svd
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid_n = offs_n < seqlen_kv
-        rows = (kv0 + offs_n).to(tl.int64)
+        row0 = row_offset(kv0 + start_n, INDEX_64)
         kt = load_tile(
-            K_HEAD + rows[None, :] * sks + offs_d[:, None] * skd, valid_n[None, :],
-            (offs_d < head_dim)[:, None], BOUNDARY, head_dim == BLOCK_D,
+            kt_first + row0 * sks, valid_n[None, :], (offs_d < head_dim)[:, None], BOUNDARY,
+            head_dim == BLOCK_D,
         )  # fmt: skip
         vt = load_tile(
-            V_HEAD + rows[None, :] * svs + offs_dv[:, None] * svd, valid_n[None, :],
-            (offs_dv < head_dim_v)[:, None], BOUNDARY, head_dim_v == BLOCK_DV,
+            vt_first + row0 * svs, valid_n[None, :], (offs_dv < head_dim_v)[:, None], BOUNDARY,
+            head_dim_v == BLOCK_DV,
         )  # fmt: skip
         s = dot(q, kt, tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, UPCAST)
         s, t = softcap_scores(s, qk_scale, cap_scale, SOFTCAP)
@@ -320,7 +335,7 @@ def attention_bwd_dq_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, RAGGED: tl.constexpr, INDEX_64: tl.constexpr,
 ):  # fmt: skip
     """dQ of BLOCK_M queries of one (batch, query head)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -375,27 +390,30 @@ def attention_bwd_dq_kernel(
         hi = lo
         full_lo = lo
         full_hi = lo
-    dq = _dq_loop(
-        dq, q, do, lse2, delta, k_head, v_head, mask_row, bias_row, lo, full_lo, offs_m, kv0,
-        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
-        seed, rng_base, seqlen_kv_max, dropout_p, sks, skd, svs, svd, smq, smk, sbq, sbk,
-        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT, PRECISION, UPCAST, True,
-        BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
-    )  # fmt: skip
+    # Key blocks crossing a bound, as the forward's: loops that cannot run are not compiled.
+    if HAS_LEFT:
+        dq = _dq_loop(
+            dq, q, do, lse2, delta, k_head, v_head, mask_row, bias_row, lo, full_lo, offs_m, kv0,
+            seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+            seed, rng_base, seqlen_kv_max, dropout_p, sks, skd, svs, svd, smq, smk, sbq, sbk,
+            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT, PRECISION, UPCAST, True,
+            BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+        )  # fmt: skip
     dq = _dq_loop(
         dq, q, do, lse2, delta, k_head, v_head, mask_row, bias_row, full_lo, full_hi, offs_m, kv0,
         seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
         seed, rng_base, seqlen_kv_max, dropout_p, sks, skd, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT, PRECISION, UPCAST, False,
-        BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
+        BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
     )  # fmt: skip
-    dq = _dq_loop(
-        dq, q, do, lse2, delta, k_head, v_head, mask_row, bias_row, full_hi, hi, offs_m, kv0,
-        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
-        seed, rng_base, seqlen_kv_max, dropout_p, sks, skd, svs, svd, smq, smk, sbq, sbk,
-        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT, PRECISION, UPCAST, True,
-        BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v,
-    )  # fmt: skip
+    if HAS_RIGHT or RAGGED:
+        dq = _dq_loop(
+            dq, q, do, lse2, delta, k_head, v_head, mask_row, bias_row, full_hi, hi, offs_m, kv0,
+            seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+            seed, rng_base, seqlen_kv_max, dropout_p, sks, skd, svs, svd, smq, smk, sbq, sbk,
+            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT, PRECISION, UPCAST, True,
+            BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+        )  # fmt: skip
     store = valid_m
     if VARLEN == 1:
         store = offs_m < seqlen_q_max
@@ -478,6 +496,7 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
             has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.bias_grad,
             p.alibi is not None, p.softcap, p.varlen, p.dropout, atomic_dq, precision, upcast,
             m1, n1, bd, bdv, p.head_dim, p.head_dim_v,
+            p.varlen != 0 or p.seqlen_q % m1 != 0 or p.seqlen_kv % n1 != 0, p.index_64,
         ),
         num_warps=config["W1"],
         num_stages=config["S1"],
@@ -496,6 +515,7 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
         constexprs=(
             has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.alibi is not None,
             p.softcap, p.varlen, p.dropout, precision, upcast, m2, n2, bd, bdv, p.head_dim, p.head_dim_v,
+            p.varlen != 0 or p.seqlen_kv % n2 != 0, p.index_64,
         ),
         num_warps=config["W2"],
         num_stages=config["S2"],

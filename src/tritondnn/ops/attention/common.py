@@ -121,6 +121,15 @@ def seq_bounds(LENS_Q, LENS_KV, b, seqlen_q_max, seqlen_kv_max, VARLEN: tl.const
 
 
 @triton.jit
+def row_offset(row, INDEX_64: tl.constexpr):
+    """A row index as the offsets' integer type: int64 only where some offset of the problem needs
+    it (``AttentionProblem.index_64``); int32 address arithmetic is about half the instructions."""
+    if INDEX_64:
+        return row.to(tl.int64)
+    return row
+
+
+@triton.jit
 def kv_rows(BT_ROW, j, kv0, skb, sks, valid, PAGE: tl.constexpr, BOUNDARY: tl.constexpr):
     """Memory offsets (int64) of keys ``j`` relative to the k/v head base: rows of one sequence, or
     rows of pages listed in the batch's block-table row ``BT_ROW``."""
@@ -132,6 +141,28 @@ def kv_rows(BT_ROW, j, kv0, skb, sks, valid, PAGE: tl.constexpr, BOUNDARY: tl.co
         return page.to(tl.int64) * skb + (j % PAGE).to(tl.int64) * sks
     else:
         return (kv0 + j).to(tl.int64) * sks
+
+
+@triton.jit
+def key_mask(
+    i, j, seqlen_kv, diag, window_left, window_right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_KV: tl.constexpr,
+):  # fmt: skip
+    """Where query ``i`` may see key ``j``: inside the window band, and ``j < seqlen_kv`` when
+    CHECK_KV (callers whose keys are all in range leave it out; at least one bound must apply)."""
+    if CHECK_KV:
+        keep = j < seqlen_kv
+        if HAS_RIGHT:
+            keep &= j <= i + diag + window_right
+    else:
+        tl.static_assert(HAS_LEFT or HAS_RIGHT)
+        if HAS_RIGHT:
+            keep = j <= i + diag + window_right
+        else:
+            keep = j >= i + diag - window_left
+    if HAS_LEFT and (CHECK_KV or HAS_RIGHT):
+        keep &= j >= i + diag - window_left
+    return keep
 
 
 @triton.jit
@@ -152,11 +183,7 @@ def modify(
     if HAS_ALIBI:
         x -= slope2 * tl.abs(i + diag - j).to(tl.float32)
     if BOUNDARY:
-        keep = j < seqlen_kv
-        if HAS_RIGHT:
-            keep &= j <= i + diag + window_right
-        if HAS_LEFT:
-            keep &= j >= i + diag - window_left
+        keep = key_mask(i, j, seqlen_kv, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, True)
         if HAS_MASK:
             keep &= (
                 tl.load(MASK_ROW + i.to(tl.int64) * smq + j * smk, mask=keep & (i < seqlen_q), other=0) != 0

@@ -29,10 +29,12 @@ from .common import (
     block_d,
     dot,
     dropout_keep,
+    key_mask,
     kv_range,
     kv_rows,
     load_tile,
     modify,
+    row_offset,
     seq_bounds,
     softcap_scores,
     window_flags,
@@ -49,36 +51,64 @@ def _fwd_loop(
     HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr, VT: tl.constexpr,
+    EVEN_DV: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr, VT: tl.constexpr, POS_SCALE: tl.constexpr,
+    INDEX_64: tl.constexpr, RAGGED: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    # Keys of one sequence (no pages): a block's tiles are the first block's pointers (made once)
+    # moved by a scalar offset, in int32 where every offset fits (fresh 64-bit addresses per key
+    # cost ~30 integer instructions a block).
+    rows = row_offset(tl.arange(0, BLOCK_N), INDEX_64)
+    kt_first = K_HEAD + rows[None, :] * sks + offs_d[:, None] * skd
+    v_first = V_HEAD + rows[:, None] * svs + offs_dv[None, :] * svd
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid_n = offs_n < seqlen_kv
         if DESC:
             kt = tl.trans(K_DESC.load([start_n, 0]))
         else:
-            k_rows = kv_rows(BT_ROW, offs_n, kv0, skb, sks, valid_n, PAGE, BOUNDARY)
+            if PAGE > 0:
+                k_rows = kv_rows(BT_ROW, offs_n, kv0, skb, sks, valid_n, PAGE, BOUNDARY and RAGGED)
+                kt_ptrs = K_HEAD + k_rows[None, :] + offs_d[:, None] * skd
+            else:
+                kt_ptrs = kt_first + row_offset(kv0 + start_n, INDEX_64) * sks
             kt = load_tile(
-                K_HEAD + k_rows[None, :] + offs_d[:, None] * skd, valid_n[None, :],
-                (offs_d < head_dim)[:, None], BOUNDARY, EVEN_D,
-            )  # fmt: skip
+                kt_ptrs, valid_n[None, :], (offs_d < head_dim)[:, None], BOUNDARY and RAGGED, EVEN_D
+            )
         qk = dot(q, kt, tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION, UPCAST)
-        s, _ = softcap_scores(qk, qk_scale, cap_scale, SOFTCAP)
-        s = modify(
-            s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_kv, diag, window_left, window_right,
-            slope2, MASK_ROW, smq, smk, BIAS_ROW, sbq, sbk,
-            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, BOUNDARY,
-        )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if BOUNDARY or HAS_MASK:
-            # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        if POS_SCALE and not (HAS_MASK or HAS_BIAS or HAS_ALIBI or SOFTCAP):
+            # Scores are the products times a positive scale: a row's max is taken over the raw
+            # products and each probability costs one FFMA (scale and shift) before its exp2.
+            if BOUNDARY:
+                keep = key_mask(
+                    offs_m[:, None], offs_n[None, :], seqlen_kv, diag, window_left, window_right,
+                    HAS_LEFT, HAS_RIGHT, RAGGED,
+                )  # fmt: skip
+                qk = tl.where(keep, qk, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            shift = m_new
+            if BOUNDARY:
+                # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0.
+                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - shift)
+            p = tl.math.exp2(qk * qk_scale - shift[:, None])
         else:
-            shift = m_new  # every score of an unmasked block is finite
-        alpha = tl.math.exp2(m_i - shift)
-        p = tl.math.exp2(s - shift[:, None])
+            s, _ = softcap_scores(qk, qk_scale, cap_scale, SOFTCAP)
+            s = modify(
+                s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_kv, diag, window_left, window_right,
+                slope2, MASK_ROW, smq, smk, BIAS_ROW, sbq, sbk,
+                HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, BOUNDARY,
+            )  # fmt: skip
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if BOUNDARY or HAS_MASK:
+                # A row that has seen only masked keys keeps m = -inf: shift by 0 so exp2 gives 0,
+                # not NaN.
+                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            else:
+                shift = m_new  # every score of an unmasked block is finite
+            alpha = tl.math.exp2(m_i - shift)
+            p = tl.math.exp2(s - shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], seqlen_kv_max, dropout_p)
@@ -88,11 +118,14 @@ def _fwd_loop(
         elif DESC:
             v = V_DESC.load([start_n, 0])
         else:
-            v_rows = kv_rows(BT_ROW, offs_n, kv0, svb, svs, valid_n, PAGE, BOUNDARY)
+            if PAGE > 0:
+                v_rows = kv_rows(BT_ROW, offs_n, kv0, svb, svs, valid_n, PAGE, BOUNDARY and RAGGED)
+                v_ptrs = V_HEAD + v_rows[:, None] + offs_dv[None, :] * svd
+            else:
+                v_ptrs = v_first + row_offset(kv0 + start_n, INDEX_64) * svs
             v = load_tile(
-                V_HEAD + v_rows[:, None] + offs_dv[None, :] * svd, valid_n[:, None],
-                (offs_dv < head_dim_v)[None, :], BOUNDARY, EVEN_DV,
-            )  # fmt: skip
+                v_ptrs, valid_n[:, None], (offs_dv < head_dim_v)[None, :], BOUNDARY and RAGGED, EVEN_DV
+            )
         if FP8:
             p = p.to(v.dtype)
         else:
@@ -116,7 +149,7 @@ def attention_fwd_kernel(
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     head_dim: tl.constexpr, head_dim_v: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr,
-    VT: tl.constexpr,
+    VT: tl.constexpr, RAGGED: tl.constexpr, INDEX_64: tl.constexpr, POS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """OUT = softmax(scores) @ V for BLOCK_M queries of one (batch, query head); LSE of every row."""
     # The heaviest query blocks of a causal mask are the last ones: start them first.
@@ -202,16 +235,20 @@ def attention_fwd_kernel(
         hi = lo
         full_lo = lo
         full_hi = lo
-    acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
-        lo, full_lo, offs_m, kv0,
-        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
-        seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
-        skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
-        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
-        UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-        DESC, False, VT,
-    )  # fmt: skip
+    # Blocks crossing a bound: the window's left edge (first loop) and the causal/right edge or the
+    # last keys of a ragged sequence (last loop). Loops that cannot run are not compiled: an empty
+    # pipelined loop still costs its prologue and drain.
+    if HAS_LEFT:
+        acc, l_i, m_i = _fwd_loop(
+            acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
+            lo, full_lo, offs_m, kv0,
+            seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+            seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+            skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
+            UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+            DESC, False, VT, POS_SCALE, INDEX_64, RAGGED,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
         full_lo, full_hi, offs_m, kv0,
@@ -220,18 +257,19 @@ def attention_fwd_kernel(
         skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
         UPCAST, False, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-        DESC, WS, VT,
+        DESC, WS, VT, POS_SCALE, INDEX_64, RAGGED,
     )  # fmt: skip
-    acc, l_i, m_i = _fwd_loop(
-        acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
-        full_hi, hi, offs_m, kv0,
-        seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
-        seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
-        skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
-        HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
-        UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-        DESC, False, VT,
-    )  # fmt: skip
+    if HAS_RIGHT or RAGGED:
+        acc, l_i, m_i = _fwd_loop(
+            acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
+            full_hi, hi, offs_m, kv0,
+            seqlen_q, seqlen_kv, diag, window_left, window_right, slope2, qk_scale, cap_scale,
+            seed, rng_base, seqlen_kv_max, dropout_p, head_dim, head_dim_v,
+            skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
+            HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
+            UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
+            DESC, False, VT, POS_SCALE, INDEX_64, RAGGED,
+        )  # fmt: skip
 
     if HAS_SINKS:
         # The sink's logit joins the denominator (not the numerator): rescale to the larger max.
@@ -405,17 +443,28 @@ def _bind_forward(problem, config: dict, desc: bool, ws: bool, vt: bool = False)
         has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.alibi is not None,
         p.softcap, p.sinks, p.varlen, p.page, p.dropout, p.fp8, "tf32" if p.tf32 else "ieee",
         INTERPRET and p.dtype == "bfloat16", bm, bn, block_d(p.head_dim), block_d(p.head_dim_v),
-        p.head_dim, p.head_dim_v, desc, ws, vt,
+        p.head_dim, p.head_dim_v, desc, ws, vt, p.varlen != 0 or p.seqlen_kv % bn != 0, p.index_64,
     )  # fmt: skip
-    return launcher(
-        attention_fwd_kernel,
-        (cdiv(p.seqlen_q, bm), p.batch * p.heads_q),
-        num_tensors=14,
-        ints=ints,
-        constexprs=constexprs,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
+    by_sign = {}
+
+    def run(*args):
+        # The kernel is specialized on the sign of qk_scale (the float after the 14 tensors), built
+        # on the first call with that sign.
+        positive = args[14] > 0
+        launch = by_sign.get(positive)
+        if launch is None:
+            launch = by_sign[positive] = launcher(
+                attention_fwd_kernel,
+                (cdiv(p.seqlen_q, bm), p.batch * p.heads_q),
+                num_tensors=14,
+                ints=ints,
+                constexprs=(*constexprs, positive),
+                num_warps=config["num_warps"],
+                num_stages=config["num_stages"],
+            )
+        launch(*args)
+
+    return run
 
 
 @triton.jit

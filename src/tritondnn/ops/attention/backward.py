@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...core.backend import INTERPRET
-from ...core.launcher import cdiv, launcher
+from ...core.launcher import cdiv, ensure_allocator, launcher
 from .common import (
     block_d,
     dot,
@@ -94,7 +94,7 @@ def _dkdv_loop(
     BIAS_GRAD: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr, INDEX_64: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, INDEX_64: tl.constexpr, DQ_DESC: tl.constexpr,
 ):  # fmt: skip
     # Tiles are transposed (keys along rows, queries along columns) so P^T and dS^T come out of the
     # products in the layout the dK and dV products take.
@@ -155,11 +155,16 @@ def _dkdv_loop(
             dq = dot(
                 tl.trans(dst).to(k.dtype), k, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), PRECISION, UPCAST
             )
-            dq_mask = valid_m[:, None] & (offs_d < head_dim)[None, :]
-            rows = (q0 + offs_m).to(tl.int64)
-            tl.atomic_add(
-                DQ_HEAD + rows[:, None] * sdqs + offs_d[None, :] * sdqd, dq * sm_scale, mask=dq_mask
-            )
+            if DQ_DESC:
+                # One bulk reduce-add of the tile by the copy engine (TMA); element atomics cost
+                # a request per value. Rows past the sequence fall outside the descriptor.
+                DQ_HEAD.atomic_add([start_m, 0], dq * sm_scale)
+            else:
+                dq_mask = valid_m[:, None] & (offs_d < head_dim)[None, :]
+                rows = (q0 + offs_m).to(tl.int64)
+                tl.atomic_add(
+                    DQ_HEAD + rows[:, None] * sdqs + offs_d[None, :] * sdqd, dq * sm_scale, mask=dq_mask
+                )
     return dk, dv
 
 
@@ -177,6 +182,7 @@ def attention_bwd_dkdv_kernel(
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     head_dim: tl.constexpr, head_dim_v: tl.constexpr, RAGGED: tl.constexpr, INDEX_64: tl.constexpr,
+    DQ_DESC: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of BLOCK_N keys of one (batch, kv head), summed over its group's query heads."""
     pid_n = tl.program_id(0)
@@ -231,6 +237,11 @@ def attention_bwd_dkdv_kernel(
         bias_row = BIAS + b64 * sbb + h64 * sbh
         dbias_row = DBIAS + b64 * sdbb + h64 * sdbh
         dq_head = DQ + b64 * sdqb + h64 * sdqh
+        if DQ_DESC:
+            dq_head = tl.make_tensor_descriptor(
+                dq_head + (b64 * 0 + q0) * sdqs, [tl.maximum(seqlen_q, 1), head_dim], [sdqs, 1],
+                [BLOCK_M, BLOCK_D],
+            )  # fmt: skip
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + b64 * sab + h).to(tl.float32) * 1.4426950408889634
@@ -245,6 +256,7 @@ def attention_bwd_dkdv_kernel(
                 sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
                 HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
                 PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+                DQ_DESC,
             )  # fmt: skip
         dk, dv = _dkdv_loop(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, mask_row, bias_row, dbias_row, dq_head,
@@ -253,6 +265,7 @@ def attention_bwd_dkdv_kernel(
             sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
             PRECISION, UPCAST, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+            DQ_DESC,
         )  # fmt: skip
         if HAS_LEFT or RAGGED:
             dk, dv = _dkdv_loop(
@@ -262,6 +275,7 @@ def attention_bwd_dkdv_kernel(
                 sqs, sqd, sdos, sdod, sls, smq, smk, sbq, sbk, sdbq, sdbk, sdqs, sdqd,
                 HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_GRAD, HAS_ALIBI, SOFTCAP, DROPOUT, ATOMIC_DQ,
                 PRECISION, UPCAST, True, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim, head_dim_v, INDEX_64,
+                DQ_DESC,
             )  # fmt: skip
     store = valid_n
     if VARLEN == 1:
@@ -483,6 +497,13 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
         constexprs=(p.varlen, p.sinks, PRE_BLOCK_M, bdv, p.head_dim_v),
     )
     m1, n1 = config["M1"], config["N1"]
+    # Atomic dQ through tensor descriptors where the fp32 accumulator (dq's strides) allows.
+    dq_desc = (
+        atomic_dq
+        and not INTERPRET
+        and p.stride("dq")[3] == 1
+        and not any(x * 4 % 16 for x in p.stride("dq")[:3])
+    )
     dkdv = launcher(
         attention_bwd_dkdv_kernel,
         (cdiv(p.seqlen_kv, n1), p.batch * p.heads_kv),
@@ -496,7 +517,7 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
             has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.bias_grad,
             p.alibi is not None, p.softcap, p.varlen, p.dropout, atomic_dq, precision, upcast,
             m1, n1, bd, bdv, p.head_dim, p.head_dim_v,
-            p.varlen != 0 or p.seqlen_q % m1 != 0 or p.seqlen_kv % n1 != 0, p.index_64,
+            p.varlen != 0 or p.seqlen_q % m1 != 0 or p.seqlen_kv % n1 != 0, p.index_64, dq_desc,
         ),
         num_warps=config["W1"],
         num_stages=config["S1"],
@@ -533,6 +554,8 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
         if atomic_dq:
             acc = torch.zeros_like(dq, dtype=torch.float32)
             assert acc.stride() == dq.stride()
+            if dq_desc:
+                ensure_allocator()
             dkdv(q, k, v, do, dk, dv, lse, delta, mask, bias, dbias, alibi, lens_q, lens_kv, rng, acc,
                  qk_scale, cap_scale, dropout_p, sm_scale)  # fmt: skip
             dq.copy_(acc)

@@ -339,6 +339,8 @@ def test_fp8_forward_with_descales():
     ref, _ = sdpa_reference(*deq, is_causal=True)
     err = (out.double() - ref).abs().max().item()
     assert err < 0.05 * ref.abs().max().item(), err
+    with pytest.raises(ValueError, match="descale_k.*positive"):
+        sdpa(q8, k8, v8, descale_k=-0.5)
 
 
 @pytest.mark.gpu_only("bf16 options at a size where every engine's tiles are full")

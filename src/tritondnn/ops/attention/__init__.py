@@ -548,7 +548,8 @@ def sdpa(
         cu_seqlens_q, cu_seqlens_kv: int (B + 1,) cumulative offsets of packed sequences.
         block_table: int (B, pages_per_seq) page indices of a paged KV cache (forward only);
             ``seqlens_kv`` gives each sequence's cached length (the table's capacity by default).
-        descale_q, descale_k, descale_v: fp8 dequantization factors (floats or 1-element tensors).
+        descale_q, descale_k, descale_v: fp8 dequantization factors (positive floats or 1-element
+            tensors; a float <= 0 is an error, a tensor is not read back to check).
         out_dtype: the output dtype for fp8 inputs (bf16 by default); others return their own.
         return_lse: also return the fp32 log-sum-exp of each row's scores ((B, Hq, Sq); packed:
             (Hq, total)), -inf for a row that sees no key.

@@ -280,6 +280,10 @@ def _prepare(
         if mask is not None or bias is not None or dropout_p > 0 or softcap is not None:
             raise ValueError(f"{op}: fp8 inputs support no mask, bias, dropout or soft-capping")
         vals = [1.0 if x is None else x for x in (descale_q, descale_k, descale_v)]
+        for name, x in zip(("descale_q", "descale_k", "descale_v"), vals):
+            # Kernels take a row's max over raw products when the scale is positive.
+            if not isinstance(x, torch.Tensor) and not float(x) > 0:
+                raise ValueError(f"{op}: argument '{name}' must be a positive factor, got {x}")
         descale = torch.stack(
             [torch.as_tensor(x, dtype=torch.float32, device=q.device).reshape(()) for x in vals]
         )

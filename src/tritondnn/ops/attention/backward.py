@@ -28,6 +28,7 @@ from ...core.backend import INTERPRET
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from .common import (
     block_d,
+    descriptors_fit,
     dot,
     dropout_keep,
     kv_range,
@@ -498,12 +499,7 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
     )
     m1, n1 = config["M1"], config["N1"]
     # Atomic dQ through tensor descriptors where the fp32 accumulator (dq's strides) allows.
-    dq_desc = (
-        atomic_dq
-        and not INTERPRET
-        and p.stride("dq")[3] == 1
-        and not any(x * 4 % 16 for x in p.stride("dq")[:3])
-    )
+    dq_desc = atomic_dq and descriptors_fit(p, ("dq",), size=4)
     dkdv = launcher(
         attention_bwd_dkdv_kernel,
         (cdiv(p.seqlen_kv, n1), p.batch * p.heads_kv),

@@ -30,6 +30,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from ...core.backend import INTERPRET
 from ...core.engine import Problem
 
 LOG2E = 1.4426950408889634
@@ -95,6 +96,23 @@ class AttentionProblem(Problem):
             * (self.head_dim + self.head_dim_v)
         )
         return f / 2 if self.window[1] == 0 and self.window[0] < 0 else f
+
+
+def descriptors_fit(problem, names, interpret: bool = INTERPRET, size: int = 0) -> bool:
+    """Whether tensors ``names`` (of the problem's dtype, or of ``size``-byte elements) can be
+    accessed through tensor descriptors: a GPU, no paged cache, contiguous head dims and
+    16-byte-aligned row/head/batch strides (base addresses are checked per call)."""
+    if interpret or problem.page:
+        return False
+    if not size:
+        size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}.get(problem.dtype, 0)
+    if not size:
+        return False
+    for n in names:
+        st = problem.stride(n)
+        if st[3] not in (0, 1) or any(x * size % 16 for x in st[:3]):
+            return False
+    return True
 
 
 @triton.jit

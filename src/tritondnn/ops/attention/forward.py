@@ -27,6 +27,7 @@ from ...core.backend import INTERPRET
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from .common import (
     block_d,
+    descriptors_fit,
     dot,
     dropout_keep,
     key_mask,
@@ -362,22 +363,6 @@ def forward_configs(problem, interpret: bool) -> list[dict]:
     return out
 
 
-def descriptors_fit(problem, names, interpret: bool = INTERPRET) -> bool:
-    """Whether tensors ``names`` can be read through tensor descriptors: a GPU, no paged cache,
-    contiguous head dims and 16-byte-aligned row/head/batch strides (base addresses are checked
-    per call)."""
-    if interpret or problem.page:
-        return False
-    size = 1 if problem.fp8 else {"float16": 2, "bfloat16": 2, "float32": 4}.get(problem.dtype, 0)
-    if not size:
-        return False
-    for n in names:
-        st = problem.stride(n)
-        if st[3] not in (0, 1) or any(x * size % 16 for x in st[:3]):
-            return False
-    return True
-
-
 def aligned(*tensors) -> bool:
     """All base addresses 16-byte aligned (what a tensor descriptor needs)."""
     ptrs = 0
@@ -445,24 +430,23 @@ def _bind_forward(problem, config: dict, desc: bool, ws: bool, vt: bool = False)
         INTERPRET and p.dtype == "bfloat16", bm, bn, block_d(p.head_dim), block_d(p.head_dim_v),
         p.head_dim, p.head_dim_v, desc, ws, vt, p.varlen != 0 or p.seqlen_kv % bn != 0, p.index_64,
     )  # fmt: skip
-    by_sign = {}
+    # The kernel is specialized on the sign of qk_scale (the float after the 14 tensors); each
+    # launcher compiles on its first call, so a sign never used costs nothing.
+    positive, negative = (
+        launcher(
+            attention_fwd_kernel,
+            (cdiv(p.seqlen_q, bm), p.batch * p.heads_q),
+            num_tensors=14,
+            ints=ints,
+            constexprs=(*constexprs, sign),
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+        for sign in (True, False)
+    )
 
     def run(*args):
-        # The kernel is specialized on the sign of qk_scale (the float after the 14 tensors), built
-        # on the first call with that sign.
-        positive = args[14] > 0
-        launch = by_sign.get(positive)
-        if launch is None:
-            launch = by_sign[positive] = launcher(
-                attention_fwd_kernel,
-                (cdiv(p.seqlen_q, bm), p.batch * p.heads_q),
-                num_tensors=14,
-                ints=ints,
-                constexprs=(*constexprs, positive),
-                num_warps=config["num_warps"],
-                num_stages=config["num_stages"],
-            )
-        launch(*args)
+        (positive if args[14] > 0 else negative)(*args)
 
     return run
 

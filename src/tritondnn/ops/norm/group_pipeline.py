@@ -62,8 +62,12 @@ def _item(t, n_items, chunks, lead, INDEX_64: tl.constexpr):
 
 
 @triton.jit
-def _arrive(sync_ptr, n, chunks):
-    """Count a finished statistics item of sample n; True for the last of the sample's chunks."""
+def _publish(sync_ptr, work_ptr, n, r, chunks, n_channels, c, cm, first, second):
+    """Store chunk r of sample n's two per-channel partial sums and count the item finished; True
+    for the last of the sample's chunks (it finalizes the sample)."""
+    part = work_ptr + (n * chunks + r) * 2 * n_channels + c
+    tl.store(part, tl.sum(first, 0), mask=cm)
+    tl.store(part + n_channels, tl.sum(second, 0), mask=cm)
     tl.debug_barrier()  # every thread's partial sums are stored before the arrival is released
     return tl.atomic_add(sync_ptr + 1 + n, 1, sem="acq_rel") == chunks - 1
 
@@ -155,10 +159,7 @@ def _pipelined_forward_kernel(
             )  # fmt: skip
             acc += d
             acc_sq += d * d
-        part = work_ptr + (n * chunks + r) * 2 * n_channels + c
-        tl.store(part, tl.sum(acc, 0), mask=cm)
-        tl.store(part + n_channels, tl.sum(acc_sq, 0), mask=cm)
-        if _arrive(sync_ptr, n, chunks):
+        if _publish(sync_ptr, work_ptr, n, r, chunks, n_channels, c, cm, acc, acc_sq):
             finalize_sample(
                 x_ptr, work_ptr, w_ptr, mean_ptr, rstd_ptr, cmean_ptr, cscale_ptr, eps, n,
                 spatial, chunks, n_channels, n_groups, cpg, stride_n, ACC, HAS_W, BLOCK_G, BLOCK_J,
@@ -246,10 +247,7 @@ def _pipelined_backward_kernel(
             )
             acc_dy += dy
             acc_dyx += dy * xhat
-        part = work_ptr + (n * chunks + r) * 2 * n_channels + c
-        tl.store(part, tl.sum(acc_dy, 0), mask=cm)
-        tl.store(part + n_channels, tl.sum(acc_dyx, 0), mask=cm)
-        if _arrive(sync_ptr, n, chunks):
+        if _publish(sync_ptr, work_ptr, n, r, chunks, n_channels, c, cm, acc_dy, acc_dyx):
             _finalize_backward(
                 w_ptr, work_ptr, coef_ptr, dw_ptr, db_ptr, n, spatial, chunks, n_samples, n_channels,
                 n_groups, cpg, ACC, HAS_W, NEED_DW, NEED_DB, BLOCK_G, BLOCK_J, BLOCK_K,

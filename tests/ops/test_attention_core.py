@@ -269,6 +269,44 @@ def test_deterministic_and_atomic_engines(monkeypatch):
         assert att.FlashBackwardAtomicDQ().not_supported_reasons(det)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: tensor descriptors (the interpreter has none)")
+@pytest.mark.parametrize("atomic", [False, True])
+def test_backward_descriptor_loads(monkeypatch, atomic):
+    """The dK/dV kernel with q, dO, LSE and delta through tensor descriptors (rows past a ragged
+    length read as zeros, head dim 96 padded to 128): right against the float64 reference and the
+    same as its pointer loads; a misaligned base falls back to the pointer loads."""
+    if atomic:
+        monkeypatch.setattr(att.FlashBackwardAtomicDQ, "cost", lambda self, p: 0.1)
+    first = att._Backward.configs
+
+    def grads(q, k, v, do, desc):
+        monkeypatch.setattr(att._Backward, "configs", lambda self, p: [dict(first(self, p)[0], desc=desc)])
+        monkeypatch.setattr(att, "_plans", {})
+        monkeypatch.setattr(att.FAMILY, "_chosen", {})
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(sdpa(*leaves, enable_gqa=True), leaves, do)
+
+    wide = rand(2, 4, 333, 104, dtype=torch.bfloat16)
+    for q in (wide[..., :96], wide[..., 1:97]):  # aligned base, then 2 bytes off
+        k, v = rand(2, 2, 517, 96, dtype=torch.bfloat16), rand(2, 2, 517, 96, dtype=torch.bfloat16)
+        do = torch.randn(2, 4, 333, 96, device=DEVICE, dtype=torch.bfloat16)
+        plain, desc = grads(q, k, v, do, False), grads(q, k, v, do, True)
+        for a, b in zip(desc, plain):
+            if atomic:
+                torch.testing.assert_close(a, b, atol=4e-3, rtol=1e-2)
+            else:
+                assert torch.equal(a, b)
+    monkeypatch.setattr(att._Backward, "configs", lambda self, p: [dict(first(self, p)[0], desc=True)])
+    monkeypatch.setattr(att, "_plans", {})
+    monkeypatch.setattr(att.FAMILY, "_chosen", {})
+    check(
+        lambda q, k, v: sdpa(q, k, v, enable_gqa=True),
+        ref_bhsd(),
+        {"q": wide[..., :96], "k": k, "v": v},
+        "descriptor loads",
+    )
+
+
 def test_no_grad_path_and_empty():
     q, k, v = rand(2, 2, 0, 32), rand(2, 2, 5, 32), rand(2, 2, 5, 32)
     assert sdpa(q, k, v).shape == (2, 2, 0, 32)

@@ -115,6 +115,14 @@ def descriptors_fit(problem, names, interpret: bool = INTERPRET, size: int = 0) 
     return True
 
 
+def aligned(*tensors) -> bool:
+    """All base addresses 16-byte aligned (what a tensor descriptor needs)."""
+    ptrs = 0
+    for t in tensors:
+        ptrs |= t.data_ptr()
+    return not ptrs & 15
+
+
 @triton.jit
 def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b in fp32. UPCAST: bf16 under the interpreter (its bf16 dot is wrong; products of

@@ -26,6 +26,7 @@ import triton.language as tl
 from ...core.backend import INTERPRET
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from .common import (
+    aligned,
     block_d,
     descriptors_fit,
     dot,
@@ -361,14 +362,6 @@ def forward_configs(problem, interpret: bool) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
     return out
-
-
-def aligned(*tensors) -> bool:
-    """All base addresses 16-byte aligned (what a tensor descriptor needs)."""
-    ptrs = 0
-    for t in tensors:
-        ptrs |= t.data_ptr()
-    return not ptrs & 15
 
 
 def bind_forward(problem, config: dict):

@@ -386,6 +386,65 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())  # TF32's 10 mantissa bits
 
 
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tma_kernel_copies_unaligned_operands(a_t, b_t, dtype, poison):
+    """Operands whose rows and columns are not 16-byte aligned (41 x 37 x 73 here, as logits over
+    a vocabulary of 50257) are copied into padded storage, keeping their contiguous dimension
+    (K-major for TF32), before the descriptors read them; the product is unchanged."""
+    m, n, k = 41, 73, 37
+    a = randn(k, m, dtype=dtype).mT if a_t else randn(m, k, dtype=dtype)
+    b = randn(n, k, dtype=dtype).mT if b_t else randn(k, n, dtype=dtype)
+    with tdnn.config.flags(allow_tf32=True):
+        lay = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False,
+        )  # fmt: skip
+    tf32 = dtype == torch.float32
+    expect = (
+        ("k-major", "k-major") if tf32 else ("m-major" if a_t else "k-major", "k-major" if b_t else "m-major")
+    )
+    assert mm_engines._repacks(lay.problem) == expect
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
+    out, _, _, args = _launch_args(lay.problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+    engine.bind(lay.problem, config)(*args)
+    ref = a.double() @ b.double()
+    assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())
+
+
+def test_unaligned_logits_products_cost_less_copied():
+    """The gradients of a language model's head (vocabulary 50257): the copy into padded storage
+    costs less than the per-value loads of the engines reading the logits in place."""
+    logits = torch.empty(8192, 50257, device="meta", dtype=torch.bfloat16)
+    weight = torch.empty(50257, 768, device="meta", dtype=torch.bfloat16)
+    features = torch.empty(8192, 768, device="meta", dtype=torch.bfloat16)
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    for a, b in ((logits, weight), (logits.t(), features)):  # data gradient, weight gradient
+        problem = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False,
+        ).problem  # fmt: skip
+        assert mm_engines._unaligned(problem) == (True, False)
+        in_place = [e for e in mm.FAMILY.engines if e is not engine and not e.not_supported_reasons(problem)]
+        assert {e.name for e in in_place} >= {"tiled", "split-k"}
+        for other in in_place:
+            assert engine.cost(problem) < other.cost(problem), other.name
+
+
+def test_repacked_copies_are_padded_and_equal():
+    for x, how, strides in (
+        (randn(5, 7, dtype=torch.float16), "k-major", (8, 1)),
+        (randn(7, 5, dtype=torch.float16).t(), "m-major", (1, 8)),
+        (randn(7, 5).t(), "k-major", (8, 1)),  # fp32 column-major to row-major, rows padded to 16 bytes
+        (randn(4, 5).t(), "k-major", (4, 1)),  # transposed, already aligned: the transpose alone
+    ):
+        y = mm_engines._repack(x, how)
+        assert y.stride() == strides == mm_engines._repacked_strides(*x.shape, how, str(x.dtype)[6:])
+        assert torch.equal(y, x) and not y.data_ptr() % 16
+
+
 def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
     a = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
     b = torch.empty(n, k, device="meta", dtype=torch.bfloat16).t()

@@ -359,7 +359,7 @@ class TiledEngine(Engine[MatmulProblem]):
         programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = 0.8 * _wave_util(programs) * slow_tf32
+        compute = 0.8 * _wave_util(programs) * slow_tf32 * _in_place_rate(problem)
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -456,18 +456,16 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
                 "fp32 without TF32: its ieee dots on descriptor-loaded tiles ran at 0.7 TFLOP/s (H100, "
                 "4096x4096x1024 with B transposed); the tiled kernel takes fp32"
             )
-        for name, strides, dtype in (("A", p.a_strides, p.dtypes[0]), ("B", p.b_strides, p.dtypes[1])):
-            if _tma_transposed(strides, dtype) is None:
-                reasons.append(
-                    f"{name} needs one contiguous dimension and 16-byte-aligned rows; strides {strides[2:]}"
-                )
         return reasons
 
     def cost(self, problem: MatmulProblem) -> float:
         c = _tile_configs(problem)[0]  # the model's tile (the first config may be a measured exception)
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
-        repack_a, repack_b = _tf32_repacks(problem)
-        copied = 8 * (repack_a * problem.m * problem.k + repack_b * problem.k * problem.n)  # read + write
+        repack_a, repack_b = _repacks(problem)
+        copied = 2 * (  # read + write
+            bool(repack_a) * _ITEMSIZE[problem.dtypes[0]] * problem.m * problem.k
+            + bool(repack_b) * _ITEMSIZE[problem.dtypes[1]] * problem.k * problem.n
+        )
         kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
         return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
@@ -538,11 +536,12 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
         plain = {**config, "WARP_SPECIALIZE": False, "FLATTEN": False}
         configs = [config] + ([plain] if plain != config else [])
-        repack_a, repack_b = _tf32_repacks(p)
+        repack_a, repack_b = _repacks(p)
         if repack_a:
-            p = dataclasses.replace(p, a_strides=(0, 0, p.k, 1))
+            p = dataclasses.replace(p, a_strides=(0, 0, *_repacked_strides(p.m, p.k, repack_a, p.dtypes[0])))
         if repack_b:
-            p = dataclasses.replace(p, b_strides=(0, 0, 1, p.k))
+            n_stride, k_stride = _repacked_strides(p.n, p.k, repack_b, p.dtypes[1])
+            p = dataclasses.replace(p, b_strides=(0, 0, k_stride, n_stride))
         attempts = [(f"the {self.name} kernel with {c}", _persistent_launch(p, c)) for c in configs]
         attempts.append(("the tiled kernel", tiled))
         launch = None
@@ -555,9 +554,9 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
                 return
             ensure_allocator()
             if repack_a:
-                a = _row_major(a.as_strided((problem.m, problem.k), problem.a_strides[2:]))
+                a = _repack(a.as_strided((problem.m, problem.k), problem.a_strides[2:]), repack_a)
             if repack_b:
-                b = _row_major(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t()).t()
+                b = _repack(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t(), repack_b).t()
             if launch is not None:
                 launch(a, b, out, *rest)
                 return
@@ -627,6 +626,55 @@ def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:
     a_m_major = _tma_transposed(p.a_strides, p.dtypes[0]) is True
     b_n_major = _tma_transposed(p.b_strides, p.dtypes[1]) is False
     return a_m_major, b_n_major
+
+
+def _repacks(p: MatmulProblem) -> tuple[str | None, str | None]:
+    """How the persistent kernel copies A and B (as N x K) first, if at all: ``"k-major"`` or
+    ``"m-major"`` (the operand's rows or its columns contiguous), each row or column starting on
+    a 16-byte boundary. TF32 takes both K-major (see ``_tf32_repacks``); an operand a descriptor
+    cannot read (no contiguous dimension with 16-byte-aligned rows or columns: logits over a
+    vocabulary of 50257, say) is copied keeping its contiguous dimension, at the copy rate. The
+    tiled kernel reading such an operand in place issues a load per element: H100, bf16 logits
+    8192 x 50257 against 768 features, 6 ms for the data and for the weight gradient (105 TFLOP/s)."""
+    out: list[str | None] = []
+    b_t = (*p.b_strides[:2], p.b_strides[3], p.b_strides[2])  # B^T: N x K
+    for strides, to_k_major, unaligned in zip((p.a_strides, b_t), _tf32_repacks(p), _unaligned(p)):
+        if to_k_major or (p.tf32 and unaligned):
+            out.append("k-major")
+        elif unaligned:
+            out.append("m-major" if strides[2] == 1 and strides[3] != 1 else "k-major")
+        else:
+            out.append(None)
+    return out[0], out[1]
+
+
+def _unaligned(p: MatmulProblem) -> tuple[bool, bool]:
+    """Whether A and B lack a contiguous dimension with 16-byte-aligned rows or columns."""
+    return (
+        _tma_transposed(p.a_strides, p.dtypes[0]) is None,
+        _tma_transposed(p.b_strides, p.dtypes[1]) is None,
+    )
+
+
+def _repacked_strides(rows: int, cols: int, how: str, dtype: str) -> tuple[int, int]:
+    """(row, column) strides of ``_repack``'s copy of a rows x cols operand."""
+    align = 16 // _ITEMSIZE[dtype]
+    return (cdiv(cols, align) * align, 1) if how == "k-major" else (1, cdiv(rows, align) * align)
+
+
+def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
+    """A copy of the matrix ``x`` with the strides of ``_repacked_strides`` (the padding is never read)."""
+    rows, cols = x.shape
+    align = 16 // x.element_size()
+    if how == "k-major":
+        if x.stride(0) == 1 and x.stride(1) != 1:
+            x = _row_major(x)  # a transpose at the copy rate
+            if (cols * x.element_size()) % 16 == 0:
+                return x
+        out = x.new_empty(rows, cdiv(cols, align) * align)[:, :cols]
+    else:
+        out = x.new_empty(cols, cdiv(rows, align) * align)[:, :rows].t()
+    return out.copy_(x)
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:
@@ -723,7 +771,15 @@ def _split_configs(
     return configs
 
 
+def _in_place_rate(p: MatmulProblem) -> float:
+    """The share of their usual rate kernels reading operands in place keep: a fifth when an
+    operand has no aligned contiguous dimension, read a value per load (H100, bf16 logits 8192 x
+    50257 against 768 features: 105 TFLOP/s tiled, 165-190 split-K; see ``_repacks``)."""
+    return 0.2 if any(_unaligned(p)) else 1.0
+
+
 def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, bandwidth_eff: float) -> float:
+    compute_eff *= _in_place_rate(p)
     programs = cdiv(p.m, config["BLOCK_M"]) * cdiv(p.n, config["BLOCK_N"]) * p.batch * config["SPLIT"]
     split = config["SPLIT"]
     extra = 8 * split * p.batch * p.m * p.n if split > 1 else 0  # the fp32 partials, written and read

@@ -1,14 +1,15 @@
-"""core.strides.collapse: merged layouts walk exactly the same memory as the original."""
+"""core.strides: merged layouts walk exactly the same memory as the original; broadcast_shapes."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tritondnn.core.strides import collapse, pad_dims
+from tritondnn.core.strides import broadcast_shapes, collapse, pad_dims
 
 
 def _offsets(shape, *strides):
@@ -59,3 +60,23 @@ def test_collapse_preserves_every_offset(shape, data):
     assert strides[0][-1] == 1  # the first tensor's innermost dimension is its contiguous one
     padded_sizes, padded = pad_dims(sizes, strides, 6)
     assert _offsets(padded_sizes, *padded) == _offsets(sizes, *strides)
+
+
+def test_broadcast_shapes_matches_torch():
+    cases = [
+        ((), ()),
+        ((3,), ()),
+        ((4, 1, 5), (3, 1)),
+        ((1,), (2, 3), (4, 1, 1)),
+        ((0, 1), (1, 7)),
+        ((2, 3), (2, 3)),
+        ((5,),),
+    ]
+    for shapes in cases:
+        got = broadcast_shapes(*(torch.Size(s) for s in shapes))
+        assert got == tuple(torch.broadcast_shapes(*shapes)) and type(got) is tuple, shapes
+    for shapes in (((2, 3), (3, 2)), ((4,), (1, 5)), ((0,), (2,))):
+        with pytest.raises(RuntimeError):
+            torch.broadcast_shapes(*shapes)
+        with pytest.raises(RuntimeError, match="cannot be broadcast"):
+            broadcast_shapes(*shapes)

@@ -11,10 +11,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import triton
 import triton.language as tl  # noqa: F401  (the interpreter needs it in a kernel's globals)
 
 MAX_DIMS = 4
+
+
+def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
+    """``torch.broadcast_shapes`` for sizes that are plain ints, raising the same ``RuntimeError``.
+    PyTorch's goes through its reference implementation and symbolic-shape checks: 20-50 us a
+    call, several times in each eager matmul. Symbolic sizes (tracing) take PyTorch's."""
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for arg, shape in enumerate(shapes):
+        offset = len(out) - len(shape)
+        for i, size in enumerate(shape):
+            if type(size) is not int:
+                return tuple(torch.broadcast_shapes(*shapes))
+            seen = out[offset + i]
+            if size != seen and size != 1:
+                if seen != 1:
+                    raise RuntimeError(
+                        f"shape mismatch: objects cannot be broadcast to a single shape (argument {arg}, "
+                        f"{tuple(shape)}, against {tuple(out)})"
+                    )
+                out[offset + i] = size
+    return tuple(out)
 
 
 def collapse(shape: Sequence[int], *strides: Sequence[int]) -> tuple[list[int], list[list[int]]]:

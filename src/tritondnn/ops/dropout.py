@@ -28,6 +28,7 @@ from ..core.checks import check_float, check_tensor
 from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
 from ..core.library import custom_op
+from ..core.strides import broadcast_shapes
 
 # Elements per Philox group and counters per group: fixed, since they define the mask.
 GROUP = 4096
@@ -324,7 +325,7 @@ def _dropout(
                 f"match 'input' ({input.dtype} on {input.device})"
             )
         try:
-            shape = torch.broadcast_shapes(residual.shape, input.shape)
+            shape = broadcast_shapes(residual.shape, input.shape)
         except RuntimeError:
             shape = None
         if shape != input.shape:

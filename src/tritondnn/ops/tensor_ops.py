@@ -27,7 +27,7 @@ from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
 from ..core.library import custom_op
 from ..core.numerics import convert
-from ..core.strides import MAX_DIMS, collapse, offset4, pad_dims, unravel4
+from ..core.strides import MAX_DIMS, broadcast_shapes, collapse, offset4, pad_dims, unravel4
 from .reduce import reduce_tensor
 
 
@@ -281,7 +281,7 @@ class OpTensorProblem(Problem):
 def _describe(input: torch.Tensor, other: torch.Tensor | None = None, op: str = "add") -> OpTensorProblem:
     """The problem ``op_tensor(input, other, op)`` poses."""
     b = other if other is not None else input
-    shape = torch.broadcast_shapes(input.shape, b.shape)
+    shape = broadcast_shapes(input.shape, b.shape)
     out = torch.empty(shape, dtype=torch.result_type(input, b), device=input.device)
     tensors = (input.expand(shape), b.expand(shape), out)
     return _problem(False, TensorOp[op.upper()], other is not None, False, tensors, out)
@@ -428,7 +428,7 @@ def _launch(
 
 def _fake(a, b, c, op, alpha1, alpha2, beta):
     other = b if b is not None else a
-    shape = torch.broadcast_shapes(a.shape, other.shape)
+    shape = broadcast_shapes(a.shape, other.shape)
     return a.new_empty(shape, dtype=torch.result_type(a, other))
 
 
@@ -440,7 +440,7 @@ def _fake(a, b, c, op, alpha1, alpha2, beta):
 def _forward(a, b, c, op, alpha1, alpha2, beta):
     """A fresh output (``c`` given: beta * c is added, ``c`` itself untouched)."""
     other = b if b is not None else a
-    shape = torch.broadcast_shapes(a.shape, other.shape)
+    shape = broadcast_shapes(a.shape, other.shape)
     out = torch.empty(shape, dtype=torch.result_type(a, other), device=a.device)
     if c is not None and beta != 0.0:
         out.copy_(c)
@@ -538,7 +538,7 @@ def op_tensor(
     b = check_float(name, "beta", beta)
     bshape = other.shape if other is not None else input.shape
     try:
-        shape = torch.broadcast_shapes(input.shape, bshape)
+        shape = broadcast_shapes(input.shape, bshape)
     except RuntimeError:
         raise ValueError(
             f"{name}: shapes {tuple(input.shape)} and {tuple(bshape)} do not broadcast"

@@ -14,6 +14,7 @@ import torch
 
 from ...core.backend import INTERPRET
 from ...core.checks import check_choice, check_float, check_tensor, check_values
+from ...core.strides import broadcast_shapes
 
 OP = "tdnn.sdpa"
 MAX_HEAD_DIM = 256
@@ -102,7 +103,7 @@ def _offsets(op, name, t, total):
 def _broadcasts(shape: torch.Size, target: tuple[int, ...]) -> bool:
     """Whether ``shape`` broadcasts to ``target`` without growing it."""
     try:
-        return tuple(torch.broadcast_shapes(shape, target)) == target
+        return tuple(broadcast_shapes(shape, target)) == target
     except RuntimeError:
         return False
 

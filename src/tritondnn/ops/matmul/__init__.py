@@ -31,6 +31,7 @@ from ...core.autocast import LOWER, autocast_policy
 from ...core.checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ...core.config import config
 from ...core.library import custom_op, plain_eager
+from ...core.strides import broadcast_shapes
 from ..epilogue import Epilogue
 from .engines import FAMILY, FP8_DTYPES, INPUT_DTYPES, MatmulProblem, merged_batch_dims, preactivation_dtype
 from .plans import backward_plan, forward_plan
@@ -53,7 +54,7 @@ __all__ = [
 
 
 def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
-    return (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    return (*broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
 
 
 def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
@@ -207,7 +208,7 @@ def _check_scale(op: str, name: str, scale: object, fp8: bool) -> torch.Tensor |
 def _check_broadcast(op: str, name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
     tensor = check_tensor(op, name, t)
     try:
-        ok = torch.broadcast_shapes(tensor.shape, shape) == shape
+        ok = broadcast_shapes(tensor.shape, shape) == shape
     except RuntimeError:
         ok = False
     if not ok:
@@ -252,7 +253,7 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
     if a.shape[-1] != b.shape[-2]:
         raise _shape_error(op, names, input, other)
     try:
-        batch = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+        batch = tuple(broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     except RuntimeError:
         raise ValueError(
             f"{op}: the batch dimensions of '{names[0]}' {tuple(input.shape[:-2])} and '{names[1]}' "

@@ -24,7 +24,7 @@ from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, ensure_allocator, launcher
-from ...core.strides import collapse
+from ...core.strides import broadcast_shapes, collapse
 from ..transform import transform_tensor
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
 from .tma import _persistent_kernel
@@ -125,7 +125,7 @@ def _strides(a, b, c, residual) -> tuple[tuple[int, ...], dict[str, list[int]]]:
     broadcast shapes (batch..., rows, cols)."""
     m, k = a.shape[-2:]
     n = b.shape[-1]
-    batch_shape = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    batch_shape = tuple(broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     out_shape = (*batch_shape, m, n)
     tensors = {
         "out": _contiguous_strides(out_shape),

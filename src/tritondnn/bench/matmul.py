@@ -97,6 +97,20 @@ def _backward(m: int, n: int, k: int, dtype: torch.dtype) -> Case:
     )
 
 
+def _lm_head(m: int, n: int, k: int, dtype: torch.dtype) -> Case:
+    """A language model's output layer over GPT-2's vocabulary (50257): logits whose rows are not
+    16-byte aligned, forward and both gradients."""
+    x = _randn(m, k, dtype=dtype).requires_grad_(True)
+    w = (_randn(n, k, dtype=dtype) / 30).requires_grad_(True)
+    dy = _randn(m, n, dtype=dtype)
+    step = lambda fn: torch.autograd.grad(fn(x, w), (x, w), dy)
+    return Case(
+        _name("linear (LM head)", m, n, k, dtype, "TN", "fwd+bwd"),
+        providers(tritondnn=partial(step, mm.linear), torch=partial(step, F.linear)),
+        flops=3 * 2 * m * n * k,
+    )
+
+
 def _fp8(m: int, n: int, k: int, fast_accum: bool) -> Case:
     """fp8 e4m3 with per-tensor scales (B K-major, as the fp8 tensor cores take it), against
     cuBLAS's fp8 GEMM with the same accumulation mode; the target is 1.5x our own bf16 case of
@@ -168,6 +182,7 @@ def cases(quick: bool) -> Iterator[Case]:
         yield from _fused(*shape, torch.bfloat16)
     if not quick:
         yield _backward(8192, 4096, 4096, torch.bfloat16)
+    yield _lm_head(8192, 50257, 768, torch.bfloat16)
     if torch.cuda.get_device_capability() >= (9, 0):
         yield _fp8(8192, 8192, 8192, fast_accum=False)
         yield _fp8(8192, 8192, 8192, fast_accum=True)

@@ -21,8 +21,10 @@ MAX_DIMS = 4
 def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     """``torch.broadcast_shapes`` for sizes that are plain ints, raising the same ``RuntimeError``.
     PyTorch's goes through its reference implementation and symbolic-shape checks: 20-50 us a
-    call, several times in each eager matmul. Symbolic sizes (tracing) take PyTorch's."""
-    out = [1] * max((len(s) for s in shapes), default=0)
+    call, several times in each eager matmul. Tracing and symbolic sizes take PyTorch's."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.broadcast_shapes(*shapes))
+    out = [1] * max([len(s) for s in shapes] + [0])
     for arg, shape in enumerate(shapes):
         offset = len(out) - len(shape)
         for i, size in enumerate(shape):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import tritondnn as tdnn
 from helpers import DEVICE, ON_GPU, assert_close
 from tritondnn.ops import attention as att
+from tritondnn.ops.attention import backward as bwd
 from tritondnn.ops.attention import sdpa, sdpa_backward, sdpa_reference
 
 
@@ -286,11 +287,19 @@ def test_backward_descriptor_loads(monkeypatch, atomic):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         return torch.autograd.grad(sdpa(*leaves, enable_gqa=True), leaves, do)
 
-    wide = rand(2, 4, 333, 104, dtype=torch.bfloat16)
-    for q in (wide[..., :96], wide[..., 1:97]):  # aligned base, then 2 bytes off
+    # Which launcher the calls took: the descriptor one asks whether the bases are aligned.
+    took = []
+    aligned = bwd.aligned
+    monkeypatch.setattr(bwd, "aligned", lambda *ts: took.append(aligned(*ts)) or took[-1])
+    wide = rand(2, 4, 332, 104, dtype=torch.bfloat16)  # 332 rows: LSE rows 16-byte aligned, ragged blocks
+    for q, fits in ((wide[..., :96], True), (wide[..., 1:97], False)):  # aligned base, then 2 bytes off
         k, v = rand(2, 2, 517, 96, dtype=torch.bfloat16), rand(2, 2, 517, 96, dtype=torch.bfloat16)
-        do = torch.randn(2, 4, 333, 96, device=DEVICE, dtype=torch.bfloat16)
-        plain, desc = grads(q, k, v, do, False), grads(q, k, v, do, True)
+        do = torch.randn(2, 4, 332, 96, device=DEVICE, dtype=torch.bfloat16)
+        plain = grads(q, k, v, do, False)
+        assert not took
+        desc = grads(q, k, v, do, True)
+        assert took == [fits]
+        took.clear()
         for a, b in zip(desc, plain):
             if atomic:
                 torch.testing.assert_close(a, b, atol=4e-3, rtol=1e-2)

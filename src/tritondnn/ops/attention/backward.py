@@ -535,13 +535,11 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
     m1, n1 = config["M1"], config["N1"]
     # Atomic dQ through tensor descriptors where the fp32 accumulator (dq's strides) allows.
     dq_desc = atomic_dq and descriptors_fit(p, ("dq",), size=4)
-    lse_strides = p.stride("lse")
     desc = (
         bool(config.get("desc"))
-        and p.varlen != 2
+        and p.varlen != 2  # packed rows start anywhere: LSE rows would not be 16-byte aligned
         and descriptors_fit(p, ("q", "do"))
-        and lse_strides[2] == 1
-        and not any(x * 4 % 16 for x in lse_strides[:2])
+        and descriptors_fit(p, ("lse",), size=4)
     )
 
     def bind_dkdv(desc: bool):
@@ -552,7 +550,7 @@ def bind_backward(problem, config: dict, atomic_dq: bool):
             ints=(
                 p.seqlen_q, p.seqlen_kv, p.heads_q, p.heads_kv, p.group,
                 *p.stride("q"), *p.stride("k"), *p.stride("v"), *p.stride("do"), *p.stride("dk"),
-                *p.stride("dv"), *p.stride("dq"), *lse_strides, *mask_s, *bias_s, *dbias_s, p.alibi or 0,
+                *p.stride("dv"), *p.stride("dq"), *p.stride("lse"), *mask_s, *bias_s, *dbias_s, p.alibi or 0,
                 left, right,
             ),
             constexprs=(

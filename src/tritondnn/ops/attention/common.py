@@ -100,8 +100,9 @@ class AttentionProblem(Problem):
 
 def descriptors_fit(problem, names, interpret: bool = INTERPRET, size: int = 0) -> bool:
     """Whether tensors ``names`` (of the problem's dtype, or of ``size``-byte elements) can be
-    accessed through tensor descriptors: a GPU, no paged cache, contiguous head dims and
-    16-byte-aligned row/head/batch strides (base addresses are checked per call)."""
+    accessed through tensor descriptors: a GPU, no paged cache, a contiguous last dimension (the
+    head dim; the sequence for the log-sum-exp) and 16-byte-aligned strides for the others (base
+    addresses are checked per call)."""
     if interpret or problem.page:
         return False
     if not size:
@@ -109,8 +110,8 @@ def descriptors_fit(problem, names, interpret: bool = INTERPRET, size: int = 0) 
     if not size:
         return False
     for n in names:
-        st = problem.stride(n)
-        if st[3] not in (0, 1) or any(x * size % 16 for x in st[:3]):
+        st = problem.stride(n)  # (b, h, s, d), or (b, h, s) for the log-sum-exp
+        if st[-1] not in (0, 1) or any(x * size % 16 for x in st[:-1]):
             return False
     return True
 

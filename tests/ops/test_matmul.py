@@ -389,12 +389,13 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_tma_kernel_copies_unaligned_operands(a_t, b_t, dtype, poison):
+def test_tma_kernel_copies_unaligned_operands(a_t, b_t, dtype, poison, monkeypatch):
     """Operands whose rows and columns are not 16-byte aligned (41 x 37 x 73 here, as logits over
     a vocabulary of 50257) are copied into padded storage, keeping their contiguous dimension
-    (K-major for TF32), before the descriptors read them; the product is unchanged."""
+    (K-major for TF32), before the descriptors read them; the product is unchanged. A's base
+    address is not 16-byte aligned either: the copy is, so no fallback to the tiled kernel."""
     m, n, k = 41, 73, 37
-    a = randn(k, m, dtype=dtype).mT if a_t else randn(m, k, dtype=dtype)
+    a = randn(k, m + 1, dtype=dtype)[:, 1:].mT if a_t else randn(m, k + 1, dtype=dtype)[:, 1:]
     b = randn(n, k, dtype=dtype).mT if b_t else randn(k, n, dtype=dtype)
     with tdnn.config.flags(allow_tf32=True):
         lay = mm_engines.layout(
@@ -409,6 +410,11 @@ def test_tma_kernel_copies_unaligned_operands(a_t, b_t, dtype, poison):
     engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
     config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
     out, _, _, args = _launch_args(lay.problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+
+    def no_fallback(*_):
+        raise AssertionError("fell back to the tiled kernel")
+
+    monkeypatch.setattr(mm_engines.TiledEngine, "bind", lambda self, p, c: no_fallback)
     engine.bind(lay.problem, config)(*args)
     ref = a.double() @ b.double()
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())

@@ -548,8 +548,9 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
 
         def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
             nonlocal launch
-            # Descriptors need 16-byte-aligned base addresses, which only the call knows.
-            if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
+            # Descriptors need 16-byte-aligned base addresses, which only the call knows (copies
+            # are made aligned).
+            if ((0 if repack_a else a.data_ptr()) | (0 if repack_b else b.data_ptr()) | out.data_ptr()) & 15:
                 tiled(a, b, out, *rest)
                 return
             ensure_allocator()

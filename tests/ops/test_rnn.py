@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import tritondnn as tdnn
 import tritondnn.ops.rnn as R
-from helpers import DEVICE, ON_GPU, assert_close
+from helpers import DEVICE, ON_GPU, assert_close, torch_or_skip
 from tritondnn.ops.dropout import counters_used, dropout_mask_reference
 
 MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN}
@@ -332,7 +332,7 @@ def test_autocast_as_torch(cell, packed):
     with torch.no_grad():
         full = _flat(*m(inp))
         with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
-            theirs = _flat(*m(inp))
+            theirs = _flat(*torch_or_skip(lambda: m(inp)))
             ours = _flat(*FUNCS[cell](inp, None, ws))
     for a, b, c in zip(ours, theirs, full):
         assert a.dtype == b.dtype, (a.dtype, b.dtype)

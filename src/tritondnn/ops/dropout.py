@@ -273,10 +273,13 @@ class _DropoutFunction(torch.autograd.Function):
         ctx.has_residual = residual is not None
         y, mask = _forward(x, residual, p, seed, offset, write_mask)
         ctx.mark_non_differentiable(mask)
+        ctx.set_materialize_grads(False)  # no zeros for the mask's (absent) gradient
         return y, mask
 
     @staticmethod
     def backward(ctx, dy, _dmask):
+        if dy is None:
+            return (None,) * 6
         p, seed, offset = ctx.params
         # dx = dy * mask * scale: the forward kernel on dy replays the mask from (seed, offset).
         dx, _ = _forward(dy, None, p, seed, offset, False)

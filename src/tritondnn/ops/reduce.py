@@ -721,10 +721,13 @@ class _ReduceFunction(torch.autograd.Function):
         ctx.save_for_backward(x, out, idx if needs_idx else out)
         ctx.params = (op, dims)
         ctx.mark_non_differentiable(idx)
+        ctx.set_materialize_grads(False)  # no zeros for the indices' (absent) gradient
         return out, idx
 
     @staticmethod
     def backward(ctx, dy, _didx):
+        if dy is None:
+            return (None,) * 4
         x, out, idx = ctx.saved_tensors
         op, dims = ctx.params
         shape = x.shape

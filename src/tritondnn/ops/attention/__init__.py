@@ -414,10 +414,13 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse, bias, sinks)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for the LSE's (absent) gradient
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:
+            return (None,) * 6
         q, k, v, o, lse, bias, sinks = ctx.saved_tensors
         c = ctx.call
         bias_grad = bias is not None and ctx.needs_input_grad[3]

@@ -22,7 +22,7 @@ def epilogue_grads(grad, pre, activation, p0, p1, want_bias, bias_dtype, last):
     """(dpre, dbias or None): the output gradient through the fused activation, and its channel sums."""
     if activation < 0 and not want_bias:
         return grad, None
-    from ..matmul import _epilogue_backward
+    from ..matmul.library import _epilogue_backward
 
     grad = in_layout(grad, last)
     pre = None if pre is None else in_layout(pre, last)
@@ -80,10 +80,13 @@ class _ConvFunction(torch.autograd.Function):
         ctx.params = (alpha, beta, activation, p0, p1, _bias_dtype(bias))
         ctx.dtypes = (None if c is None else c.dtype, None if residual is None else residual.dtype)
         ctx.mark_non_differentiable(pre)
+        ctx.set_materialize_grads(False)  # no zeros for the pre-activation's (absent) gradient
         return y, pre
 
     @staticmethod
     def backward(ctx, grad, _grad_pre):
+        if grad is None:
+            return (None,) * 14
         x, w, pre = ctx.saved_tensors
         stride, pad_pre, _, dilation, groups = ctx.geometry
         alpha, beta, activation, p0, p1, bias_dtype = ctx.params
@@ -167,10 +170,13 @@ class _ConvTransposeFunction(torch.autograd.Function):
         ctx.params = (alpha, beta, activation, p0, p1, _bias_dtype(bias))
         ctx.dtypes = (None if c is None else c.dtype, None if residual is None else residual.dtype)
         ctx.mark_non_differentiable(pre)
+        ctx.set_materialize_grads(False)  # no zeros for the pre-activation's (absent) gradient
         return y, pre
 
     @staticmethod
     def backward(ctx, grad, _grad_pre):
+        if grad is None:
+            return (None,) * 14
         x, w, pre = ctx.saved_tensors
         out_size, stride, pad_pre, dilation, groups = ctx.geometry
         alpha, beta, activation, p0, p1, bias_dtype = ctx.params

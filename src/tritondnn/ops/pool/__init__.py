@@ -76,6 +76,7 @@ class _PoolFunction(torch.autograd.Function):
             x, output_size, kernel, stride, padding, dilation, adaptive, is_max, count_pad, divisor, index
         )
         ctx.mark_non_differentiable(idx)
+        ctx.set_materialize_grads(False)  # no zeros for the indices' (absent) gradient
         ctx.save_for_backward(idx)
         ctx.params = (list(x.shape), kernel, stride, padding, dilation, adaptive, is_max, count_pad, divisor,
                       index, channels_last_format(x))  # fmt: skip
@@ -83,6 +84,8 @@ class _PoolFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, _didx):
+        if dy is None:
+            return (None,) * 11
         (idx,) = ctx.saved_tensors
         shape, kernel, stride, padding, dilation, adaptive, is_max, count_pad, divisor, index, cl = ctx.params
         dx = pool_backward(

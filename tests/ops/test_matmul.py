@@ -671,6 +671,41 @@ def test_linear_residual_and_activation_params(poison):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize(
+    "case", ["batched input", "2-D input", "gelu", "frozen weight", "frozen input", "strided gradient"]
+)
+def test_linear_training_repeats(case):
+    """Repeat calls of one geometry take the cached training path and the backward program kept on
+    the forward plan (views made inside autograd, plans looked up once): each call on fresh
+    values must match float64, and the weight gradient must come in the weight's layout."""
+    shape_x = (6, 20) if case == "2-D input" else (4, 6, 20)
+    act = "gelu" if case == "gelu" else None
+    programs = 0
+    for _ in range(3):
+        x, w, bias = randn(*shape_x), randn(9, 20), randn(9)
+        x.requires_grad_(case != "frozen input")
+        w.requires_grad_(case != "frozen weight")
+        bias.requires_grad_(True)
+        out = mm.linear(x, w, bias, activation=act)
+        dy = randn(*out.shape)
+        if case == "strided gradient":  # the output read transposed: its gradient is not contiguous
+            dy = randn(*out.shape[:-2], out.shape[-1], out.shape[-2]).mT
+        out.backward(dy)
+        xd, wd, bd = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, w, bias))
+        ref = F.linear(xd, wd, bd)
+        (F.gelu(ref) if act else ref).backward(dy.double())
+        for t, t64 in ((x, xd), (w, wd), (bias, bd)):
+            assert (t.grad is None) == (t64.grad is None)
+            if t.grad is not None:
+                assert_close(t.grad, t64.grad, what=f"{case} gradient")
+        if w.grad is not None:
+            assert w.grad.stride() == w.stride()
+        programs = max(
+            programs, sum(len(p.backward) for p in mm.plans._plans.values() if hasattr(p, "backward"))
+        )
+    assert programs > 0  # the backward programs were kept (and used by the later calls)
+
+
 # ---------------------------------------------------------------------------------------------
 # Autograd.
 
@@ -864,9 +899,9 @@ def test_fp8_under_the_interpreter_is_not_supported():
 def test_library_ops_pass_opcheck():
     a, b, bias, res = randn(5, 7), randn(7, 6).mT.contiguous().mT, randn(6), randn(5, 6)
     args = (a, b, randn(5, 6), bias, res, None, None, 1.5, 0.5, 1, 4, 0.0, 0.0, True, True, torch.float32)
-    torch.library.opcheck(mm._forward.op, args)
+    torch.library.opcheck(mm.library._forward.op, args)
     torch.library.opcheck(
-        mm._forward.op,
+        mm.library._forward.op,
         (
             randn(2, 5, 7),
             b,
@@ -887,8 +922,9 @@ def test_library_ops_pass_opcheck():
         ),
     )
     pre = randn(2, 5, 6)
-    torch.library.opcheck(mm._epilogue_backward.op, (randn(2, 5, 6), pre, 6, 1.0, 0.0, 2, torch.float32))
-    torch.library.opcheck(mm._epilogue_backward.op, (randn(5, 6), None, -1, 0.0, 0.0, 1, torch.float16))
+    op = mm.library._epilogue_backward.op
+    torch.library.opcheck(op, (randn(2, 5, 6), pre, 6, 1.0, 0.0, 2, torch.float32))
+    torch.library.opcheck(op, (randn(5, 6), None, -1, 0.0, 0.0, 1, torch.float16))
 
 
 def test_torch_compile_fullgraph():

@@ -21,15 +21,22 @@ F = TypeVar("F", bound=Callable[..., Any])
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def eager_tensor(x: object) -> bool:
+    """Whether ``x`` is an ordinary tensor (or parameter) on the backend's device and no tracing is
+    under way: a call on it may take a family's cached path, through autograd or not."""
+    return type(x) in _PLAIN and getattr(x, ON_DEVICE_ATTR) and not torch.compiler.is_compiling()
+
+
 def plain_eager(x: object) -> bool:
-    """Whether a call on ``x`` may take a family's cached fast path: an ordinary tensor on the
-    backend's device, no autograd to record, no tracing under way."""
-    return (
-        type(x) is torch.Tensor
-        and getattr(x, ON_DEVICE_ATTR)
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling()
-    )
+    """Whether a call on ``x`` may take a family's cached fast path: ``eager_tensor`` with no
+    autograd to record."""
+    return eager_tensor(x) and not (x.requires_grad and torch.is_grad_enabled())  # type: ignore[union-attr]
+
+
+def direct_call(x: object) -> bool:
+    """Whether a ``custom_op`` called with ``x`` first runs its implementation directly (no
+    dispatcher, no tracing)."""
+    return type(x) in _PLAIN and not torch.compiler.is_compiling()
 
 
 def custom_op(
@@ -49,7 +56,7 @@ def custom_op(
 
         @functools.wraps(impl)
         def call(*args: Any) -> Any:
-            if type(args[0]) in _PLAIN and not torch.compiler.is_compiling():
+            if direct_call(args[0]):
                 return impl(*args)
             return op(*args)
 

@@ -14,8 +14,8 @@ kernel for decode-style products. All are deterministic: split-K adds its partia
 fixed order, never with atomics.
 
 Files: ``reference`` (float64 meaning), ``kernels`` and ``tma`` (Triton), ``engines`` (problem,
-engines), ``plans`` (per-shape caches); this module holds the custom ops, autograd and the public
-functions.
+engines), ``plans`` (per-shape caches), ``library`` (the custom ops), ``autograd``; this module
+holds the public functions.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import torch
 from ...core.autocast import LOWER, autocast_policy
 from ...core.checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ...core.config import config
-from ...core.library import custom_op, plain_eager
+from ...core.library import eager_tensor
 from ...core.strides import broadcast_shapes
 from ..epilogue import Epilogue
-from .engines import FAMILY, FP8_DTYPES, INPUT_DTYPES, MatmulProblem, merged_batch_dims, preactivation_dtype
-from .plans import backward_plan, forward_plan
+from .autograd import _MatmulFunction
+from .engines import FAMILY, FP8_DTYPES, INPUT_DTYPES, MatmulProblem, merged_batch_dims
+from .library import _forward
+from .plans import forward_plan
 from .reference import linear_reference, matmul_reference
 
 __all__ = [
@@ -48,125 +50,7 @@ __all__ = [
     "matmul_reference",
 ]
 
-
-# ---------------------------------------------------------------------------------------------
-# torch.library ops. Operands have rank >= 2; c and residual have the output's full shape.
-
-
-def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
-    return (*broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
-
-
-def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-                  store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
-    shape = _out_shape(a, b)
-    return (
-        a.new_empty(shape, dtype=out_dtype),
-        a.new_empty(shape, dtype=preactivation_dtype(a.dtype, out_dtype))
-        if store_pre
-        else a.new_empty(0, dtype=out_dtype),
-        a.new_empty(() if amax else (0,), dtype=torch.float32),
-    )
-
-
-@custom_op(
-    "matmul",
-    "(Tensor a, Tensor b, Tensor? c, Tensor? bias, Tensor? residual, Tensor? scale_a, Tensor? scale_b, "
-    "float alpha, float beta, int bias_kind, int activation, float p0, float p1, bool store_pre, bool amax, "
-    "ScalarType out_dtype, bool fast_accum=False) -> (Tensor, Tensor, Tensor)",
-    _fake_forward,
-)
-def _forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-             store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
-    """The product and its epilogue (see ``matmul``); absent pre-activation and amax come back as
-    empty tensors (an op returns tensors only)."""
-    run = forward_plan(
-        a, b, c, bias, residual, scale_a is not None, out_dtype, bias_kind, activation, store_pre, amax,
-        fast_accum,
-    )  # fmt: skip
-    out, pre, am = run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1)
-    return (
-        out,
-        out.new_empty(0) if pre is None else pre,
-        out.new_empty(0, dtype=torch.float32) if am is None else am,
-    )
-
-
-def _fake_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
-    m, n = grad.shape[-2:]
-    return (
-        grad.new_empty(
-            grad.shape if activation >= 0 else (0,), dtype=grad.dtype if pre is None else pre.dtype
-        ),
-        grad.new_empty((n if bias_kind == 1 else m) if bias_kind else 0, dtype=bias_dtype),
-    )
-
-
-@custom_op(
-    "matmul_epilogue_backward",
-    "(Tensor grad, Tensor? pre, int activation, float p0, float p1, int bias_kind, ScalarType bias_dtype) "
-    "-> (Tensor, Tensor)",
-    _fake_backward,
-)
-def _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
-    """(dpre, dbias) from the output gradient and the stored pre-activation, both (..., M, N)."""
-    m, n = grad.shape[-2:]
-    g3 = grad.reshape(-1, m, n)
-    run = backward_plan(g3, None if pre is None else pre.reshape(-1, m, n), activation, bias_kind, bias_dtype)
-    dpre, dbias = run(g3, None if pre is None else pre.reshape(-1, m, n), p0, p1)
-    return (
-        grad.new_empty(0) if dpre is None else dpre.view(grad.shape),
-        grad.new_empty(0, dtype=bias_dtype) if dbias is None else dbias,
-    )
-
-
-class _MatmulFunction(torch.autograd.Function):
-    """Forward through the matmul op; backward: dpre = g * act'(pre), dA = alpha dpre B^T,
-    dB = alpha A^T dpre (the same kernels, on transposed views), dbias = sum of dpre,
-    dC = beta dpre, dresidual = g (each summed over the dimensions its input was broadcast on)."""
-
-    @staticmethod
-    def forward(
-        ctx, a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre, out_dtype
-    ):
-        keep = activation >= 0
-        flags = (bias_kind, activation, p0, p1, store_pre or keep, False, out_dtype)
-        out, pre, _ = _forward(a, b, c, bias, residual, None, None, alpha, beta, *flags)
-        ctx.save_for_backward(a, b, pre if keep else None)
-        ctx.params = (alpha, beta, bias_kind, activation, p0, p1)
-        ctx.meta = tuple(None if t is None else (t.shape, t.dtype) for t in (c, bias, residual))
-        ctx.mark_non_differentiable(pre)
-        return out, pre
-
-    @staticmethod
-    def backward(ctx, grad, _grad_pre):
-        a, b, pre = ctx.saved_tensors
-        alpha, beta, bias_kind, activation, p0, p1 = ctx.params
-        c_meta, bias_meta, residual_meta = ctx.meta
-        need_a, need_b, need_c, need_bias, need_residual = ctx.needs_input_grad[:5]
-        dpre, dbias = grad, None
-        if activation >= 0 or (need_bias and bias_kind):
-            bias_dtype = bias_meta[1] if bias_meta else grad.dtype
-            dpre_t, dbias_t = _epilogue_backward(
-                grad, pre, activation, p0, p1, bias_kind if need_bias else 0, bias_dtype
-            )
-            dpre = dpre_t if activation >= 0 else grad
-            dbias = dbias_t if need_bias else None
-        da = db = dc = dres = None
-        if need_a or need_b:
-            d = dpre.to(a.dtype)
-            none = (None,) * 5
-            if need_a:
-                da = _forward(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, False, a.dtype)[0]
-                da = da.sum_to_size(a.shape)
-            if need_b:
-                db = _forward(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, False, b.dtype)[0]
-                db = db.sum_to_size(b.shape)
-        if need_c:
-            dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
-        if need_residual:
-            dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
-        return da, db, dc, dbias, dres, *(None,) * 8
+_T = torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,10 +203,10 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
     act, bias_kind = epi.activation_kind, epi.bias_kind
     store_pre = epi.store_preactivation
     if grad:
-        out, pre = _MatmulFunction.apply(
+        outs = _MatmulFunction.apply(
             a, b, c, bias, residual, epi.alpha, epi.beta, bias_kind, act, p0, p1, store_pre, out_dtype
         )
-        am = None
+        (out, pre), am = (outs if store_pre else (outs, None)), None
     else:
         out, pre, am = _forward(
             a,
@@ -347,15 +231,28 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
     result = MatmulOutput(out, pre.view(shape) if store_pre else None, am if want_amax else None)
     fast = None
     if (
-        not (grad or copied or fp8 or store_pre or want_amax or others or epi.alpha != 1.0)
-        and plain_eager(input)
-        and plain_eager(other)
-        and (bias is None or plain_eager(bias))
+        not (copied or fp8 or store_pre or want_amax or others or epi.alpha != 1.0)
+        and eager_tensor(input)
+        and eager_tensor(other)
+        and (bias is None or eager_tensor(bias))
     ):
-        run = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, False, False)
+        if not grad:
+            run = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, False, False)
 
-        def fast(input: torch.Tensor, other: torch.Tensor, bias: torch.Tensor | None, p0: float, p1: float):
-            return run(input, other, None, bias, None, None, None, 1.0, 0.0, p0, p1)[0].view(shape)
+            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False) -> _T:
+                # Only data pointers matter here: ``y`` may be B or the tensor B transposes.
+                return run(x, y, None, bias, None, None, None, 1.0, 0.0, p0, p1)[0].view(shape)
+
+        elif input.ndim > 1 and other.ndim > 1:
+            rows = a.shape if a.ndim != input.ndim else None
+            out_shape = shape if rows is not None else None
+
+            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False) -> _T:
+                # ``y``: B, or the tensor whose transpose B is (``transposed``, a linear's weight).
+                return _MatmulFunction.apply(
+                    x, y, None, bias, None, 1.0, 0.0, bias_kind, act, p0, p1, False, out_dtype, rows,
+                    transposed, out_shape,
+                )  # fmt: skip
 
     return (result if store_pre or want_amax else out), fast
 
@@ -421,9 +318,10 @@ def matmul(
         and not use_fast_accum
     )
     key = None
-    if plain and plain_eager(input) and plain_eager(other) and input.device == other.device:
+    if plain and eager_tensor(input) and eager_tensor(other) and input.device == other.device:
         key = (
             "matmul",
+            torch.is_grad_enabled() and (input.requires_grad or other.requires_grad),
             config.version,
             input.shape,
             input.stride(),
@@ -473,14 +371,18 @@ def linear(
     if (
         residual is None
         and out_dtype is None
-        and plain_eager(input)
-        and plain_eager(weight)
+        and eager_tensor(input)
+        and eager_tensor(weight)
         and input.device == weight.device
-        and (bias is None or plain_eager(bias))
+        and (bias is None or (eager_tensor(bias) and bias.ndim == 1))
         and type(activation_params) is tuple
     ):
+        grad = torch.is_grad_enabled() and (
+            input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        )
         key = (
             "linear",
+            grad,
             config.version,
             input.shape,
             input.stride(),
@@ -494,7 +396,7 @@ def linear(
         )
         fast = _eager.get(key)
         if fast is not None:
-            return fast(input, weight, bias, *_params(activation, activation_params))
+            return fast(input, weight, bias, *_params(activation, activation_params), True)
     op = "tdnn.linear"
     check_tensor(op, "input", input, dtypes=INPUT_DTYPES, min_ndim=1)
     check_tensor(op, "weight", weight, dtypes=INPUT_DTYPES, min_ndim=1, max_ndim=2)

@@ -663,6 +663,15 @@ def _repacked_strides(rows: int, cols: int, how: str, dtype: str) -> tuple[int, 
     return (cdiv(cols, align) * align, 1) if how == "k-major" else (1, cdiv(rows, align) * align)
 
 
+def padded_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """A copy of the row-major matrix ``x`` whose rows start on 16-byte boundaries, or None when
+    they already do (or ``x`` is not row-major): the data and the weight gradient of a product
+    share it, where each would copy an operand no descriptor reads (see ``_repacks``)."""
+    if x.ndim != 2 or x.stride(1) != 1 or x.shape[0] < 2 or _aligned(x.stride(0), x.element_size()):
+        return None
+    return _repack(x, "k-major")
+
+
 def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     """A copy of the matrix ``x`` with the strides of ``_repacked_strides`` (the padding is never read)."""
     rows, cols = x.shape

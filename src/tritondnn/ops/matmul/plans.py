@@ -41,8 +41,9 @@ def forward_plan(
     fast_accum: bool = False,
 ) -> Callable[..., tuple]:
     """The plan for a matmul call on these tensors (as ``engines.layout`` takes them):
-    ``run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1) -> (out, pre, amax)``,
-    ``pre`` and ``amax`` None unless asked for."""
+    ``run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1, shape) -> (out, pre, amax)``,
+    ``pre`` and ``amax`` None unless asked for; ``out`` has ``shape`` if given (another shape of the
+    same contiguous elements; launches read only data pointers)."""
     key = (
         config.version,
         a.shape,
@@ -119,15 +120,16 @@ def _forward_run(problem, out_shape, swapped, example) -> Callable[..., tuple]:
         choice = FAMILY.select(problem, timing_args)
         launch = choice.engine.bind(problem, choice.config)
 
-    def run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1) -> tuple:
+    def run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1, shape=None) -> tuple:
         device = a.device
-        out = torch.empty(out_shape, dtype=out_dtype, device=device)
+        out = torch.empty(out_shape if shape is None else shape, dtype=out_dtype, device=device)
         pre = torch.empty(out_shape, dtype=pre_dtype, device=device) if store_pre else None
         amax = torch.zeros((), dtype=torch.float32, device=device) if want_amax else None
         if launch is not None:
             launch(*args(a, b, out, c, bias, residual, pre, scale_a, scale_b, amax), alpha, beta, p0, p1)
         return out, pre, amax
 
+    run.backward = {}  # type: ignore[attr-defined]  # autograd's programs for this plan's backward
     return run
 
 

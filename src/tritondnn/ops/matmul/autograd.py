@@ -1,0 +1,204 @@
+"""Autograd for matmul and linear: the backward pass runs the same product kernels on transposed
+operands, and the epilogue's backward (activation gradient, bias gradient) in one kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.library import direct_call
+from .engines import padded_rows
+from .library import _epilogue_backward, _forward
+from .plans import backward_plan, forward_plan
+
+
+def _product(a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre, out_dtype,
+             shape=None):  # fmt: skip
+    """(out, pre or None) of the matmul op with no fp8 scales or amax: its plan called directly in
+    eager mode (no placeholder tensors for the absent outputs), the op when tracing. ``shape``:
+    the output's shape if not the product's (the same elements, e.g. rows split into a batch)."""
+    if direct_call(a):
+        run = forward_plan(a, b, c, bias, residual, False, out_dtype, bias_kind, activation, store_pre, False)
+        out, pre, _ = run(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, shape)
+        return out, pre
+    flags = (bias_kind, activation, p0, p1, store_pre, False, out_dtype)
+    out, pre, _ = _forward(a, b, c, bias, residual, None, None, alpha, beta, *flags)
+    return (out if shape is None else out.reshape(shape)), (pre if store_pre else None)
+
+
+def _grad_epilogue(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
+    """``_epilogue_backward``'s (dpre or None, dbias or None), its plan called directly in eager mode."""
+    if direct_call(grad):
+        m, n = grad.shape[-2:]
+        g3, pre3 = grad.reshape(-1, m, n), None if pre is None else pre.reshape(-1, m, n)
+        dpre, dbias = backward_plan(g3, pre3, activation, bias_kind, bias_dtype)(g3, pre3, p0, p1)
+        return None if dpre is None else dpre.view(grad.shape), dbias
+    dpre, dbias = _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype)
+    return (dpre if activation >= 0 else None), (dbias if bias_kind else None)
+
+
+class _Backward:
+    """The operand and bias gradients of one forward plan, for one gradient layout and one set of
+    wanted gradients, in eager mode without c or residual. The plans it runs are looked up, on
+    views of the saved tensors, on its first call; later calls hand the saved tensors to them
+    directly (plans read only data pointers): no views, no lookups, tens of microseconds of host
+    time less a call."""
+
+    def __init__(self, rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b):
+        self.rows, self.transposed, self.activation = rows, transposed, activation
+        self.bias_kind, self.bias_dtype = bias_kind, bias_dtype  # bias_kind 0: no bias gradient
+        self.need_a, self.need_b = need_a, need_b
+        self.epilogue = self.da = self.db = None
+        self.cast = None  # the operands' dtype when the gradient through the epilogue is wider
+        self.pad = False  # the gradient's rows are copied to 16-byte-aligned storage first
+        self.db_order = ""  # "t": dB^T's kernel (rows of B^T contiguous); "tt": its transpose viewed
+        self.ready = False
+
+    def __call__(self, grad, x, y, pre, alpha, p0, p1):
+        if not self.ready:
+            return self._first(grad, x, y, pre, alpha, p0, p1)
+        d, dbias = grad, None
+        if self.epilogue is not None:
+            dpre, dbias = self.epilogue(grad, pre, p0, p1)
+            d = grad if dpre is None else dpre
+        if self.cast is not None:
+            d = d.to(self.cast)
+        if self.pad:
+            d = padded_rows(d.reshape(-1, d.shape[-1]))
+        da = db = None
+        if self.da is not None:
+            shape = x.shape if self.rows is not None else None
+            da = self.da(d, y, None, None, None, None, None, alpha, 0.0, 0.0, 0.0, shape)[0]
+        if self.db is not None:
+            operands = (x, d) if not self.db_order else (d, x)
+            db = self.db(*operands, None, None, None, None, None, alpha, 0.0, 0.0, 0.0)[0]
+            db = db.mT if self.db_order == "tt" else db
+        return da, db, dbias
+
+    def _first(self, grad, x, y, pre, alpha, p0, p1):
+        a = x if self.rows is None else x.view(self.rows)
+        b = y.mT if self.transposed else y
+        g = grad if self.rows is None else grad.reshape(self.rows[0], b.shape[-1])
+        d, dbias = g, None
+        if self.activation >= 0 or self.bias_kind:
+            m, n = g.shape[-2:]
+            g3, pre3 = g.reshape(-1, m, n), None if pre is None else pre.reshape(-1, m, n)
+            self.epilogue = backward_plan(g3, pre3, self.activation, self.bias_kind, self.bias_dtype)
+            dpre, dbias = self.epilogue(g3, pre3, p0, p1)
+            d = g if dpre is None else dpre.view(g.shape)
+        if d.dtype != a.dtype:
+            self.cast = a.dtype
+            d = d.to(a.dtype)
+        padded = padded_rows(d) if self.need_a and self.need_b else None
+        if padded is not None:  # one aligned copy for both products (logits over a vocabulary)
+            self.pad, d = True, padded
+        da = db = None
+        none = (None,) * 5
+        if self.need_a:
+            self.da = forward_plan(d, b.mT, None, None, None, False, a.dtype, 0, -1, False, False)
+            da = self.da(d, b.mT, *none, alpha, 0.0, 0.0, 0.0, x.shape if self.rows is not None else None)[0]
+        if self.need_b:
+            # The gradient in the memory order of the B the caller has: a transposed weight's (or
+            # a column-major B's) as (dpre^T A)^T, so it lands in the weight's own layout
+            # (autograd copies a gradient whose strides differ from its parameter's).
+            if self.transposed or (b.ndim == 2 and b.stride(0) == 1 and b.stride(1) != 1):
+                self.db_order = "t" if self.transposed else "tt"
+                operands = (d.mT, a)
+            else:
+                operands = (a.mT, d)
+            self.db = forward_plan(*operands, None, None, None, False, b.dtype, 0, -1, False, False)
+            db = self.db(*operands, *none, alpha, 0.0, 0.0, 0.0)[0]
+            db = db.mT if self.db_order == "tt" else db
+        # Later calls pass the raw gradient: only if the one seen here was a view of it, not a copy.
+        self.ready = g.data_ptr() == grad.data_ptr()
+        return da, db, dbias
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """Forward through the matmul op; backward: dpre = g * act'(pre), dA = alpha dpre B^T,
+    dB = alpha A^T dpre (the same kernels, on transposed views), dbias = sum of dpre,
+    dC = beta dpre, dresidual = g (each summed over the dimensions its input was broadcast on).
+    Returns the output, and the pre-activation too when ``store_pre``.
+
+    The cached eager path of ``linear`` passes the operands as the caller has them and makes the
+    views inside, where autograd records none (each recorded view costs host time twice): A is
+    viewed as ``rows`` (batch dimensions merged into its rows), B is read transposed when
+    ``transposed`` (a weight), and the output is allocated as ``out_shape``. In eager mode the
+    backward pass of a forward plan is kept on it (``_Backward``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre,
+                out_dtype, rows=None, transposed=False, out_shape=None):  # fmt: skip
+        keep = activation >= 0
+        x, y = a, b
+        a = a if rows is None else a.view(rows)
+        b = b.mT if transposed else b
+        ctx.plan = None
+        if direct_call(a):
+            flags = (out_dtype, bias_kind, activation, store_pre or keep, False)
+            ctx.plan = forward_plan(a, b, c, bias, residual, False, *flags)
+            out, pre, _ = ctx.plan(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, out_shape)
+        else:
+            out, pre = _product(
+                a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre or keep,
+                out_dtype, out_shape,
+            )  # fmt: skip
+        ctx.save_for_backward(x, y, pre if keep else None)
+        ctx.params = (alpha, beta, bias_kind, activation, p0, p1, rows, transposed)
+        ctx.meta = tuple(None if t is None else (t.shape, t.dtype) for t in (c, bias, residual))
+        if not store_pre:
+            return out
+        ctx.mark_non_differentiable(pre)
+        ctx.set_materialize_grads(False)  # no zeros for the pre-activation's (absent) gradient
+        return out, pre
+
+    @staticmethod
+    def backward(ctx, grad, *_grad_pre):
+        if grad is None:
+            return (None,) * 16
+        x, y, pre = ctx.saved_tensors
+        alpha, beta, bias_kind, activation, p0, p1, rows, transposed = ctx.params
+        c_meta, bias_meta, residual_meta = ctx.meta
+        need_a, need_b, need_c, need_bias, need_residual = ctx.needs_input_grad[:5]
+        bias_dtype = bias_meta[1] if bias_meta else grad.dtype
+        if ctx.plan is not None and c_meta is None and residual_meta is None and direct_call(grad):
+            key = (rows is None, transposed, need_a, need_b, need_bias, grad.shape, grad.stride(), grad.dtype)
+            program = ctx.plan.backward.get(key)
+            if program is None:
+                program = ctx.plan.backward[key] = _Backward(
+                    rows, transposed, activation, bias_kind if need_bias else 0, bias_dtype, need_a, need_b
+                )
+            da, db, dbias = program(grad, x, y, pre, alpha, p0, p1)
+            return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 11
+        a = x if rows is None else x.view(rows)
+        b = y.mT if transposed else y
+        if rows is not None:  # the output was allocated in the caller's shape
+            grad = grad.reshape(rows[0], b.shape[-1])
+        dpre, dbias = grad, None
+        if activation >= 0 or (need_bias and bias_kind):
+            dpre_t, dbias = _grad_epilogue(
+                grad, pre, activation, p0, p1, bias_kind if need_bias else 0, bias_dtype
+            )
+            dpre = grad if dpre_t is None else dpre_t
+        da = db = dc = dres = None
+        if need_a or need_b:
+            d = dpre if dpre.dtype == a.dtype else dpre.to(a.dtype)
+            none = (None,) * 3
+            if need_a:
+                shape = x.shape if rows else None
+                da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, a.dtype, shape)[0]
+            if need_b:  # in B's memory order, as in _Backward
+                if transposed or (b.ndim == 2 and b.stride(0) == 1 and b.stride(1) != 1):
+                    db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, b.dtype)[0]
+                    db = db if transposed else db.mT
+                else:
+                    db = _product(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, b.dtype)[0]
+        if need_c:
+            dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
+        if need_residual:
+            dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
+        return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 11
+
+
+def _summed(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``grad`` summed over the dimensions ``like`` was broadcast along."""
+    return grad if grad is None or grad.shape == like.shape else grad.sum_to_size(like.shape)

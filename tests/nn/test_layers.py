@@ -14,6 +14,7 @@ import tritondnn as tdnn
 import tritondnn.nn as tnn
 from helpers import DEVICE, assert_close, randn
 from tritondnn.core.errors import NotSupportedError
+from tritondnn.nn.layers import _fusable_activation
 
 
 def _as_ours(module: nn.Module) -> nn.Module:
@@ -120,6 +121,7 @@ CASES = {
     "Softmax": (lambda: nn.Softmax(dim=1), (3, 5, 4)),
     "LogSoftmax": (lambda: nn.LogSoftmax(dim=-1), (3, 7)),
     "Dropout eval": (lambda: nn.Dropout(0.3), (4, 9)),
+    "Sequential": (lambda: nn.Sequential(nn.Linear(9, 6), nn.Tanh()), (4, 9)),
 }
 
 
@@ -236,3 +238,44 @@ def test_integer_input_runs_torchs():
     x = torch.arange(-3, 4, device=DEVICE)
     got = _quiet(tnn.ReLU(), x)
     assert got.dtype == torch.int64 and torch.equal(got, torch.relu(x))
+
+
+@pytest.mark.parametrize("activation", ["GELU tanh", "GELU", "ReLU", "SiLU", "Sigmoid", "Tanh"])
+def test_sequential_fuses_linear_and_activation(monkeypatch, activation):
+    """A patched Sequential runs Linear + activation as one tdnn.linear with the activation fused
+    (no activation op runs); outputs and gradients as torch's, against float64."""
+    make = {
+        "GELU tanh": lambda: nn.GELU("tanh"),
+        "GELU": nn.GELU,
+        "ReLU": lambda: nn.ReLU(inplace=True),
+        "SiLU": nn.SiLU,
+        "Sigmoid": nn.Sigmoid,
+        "Tanh": nn.Tanh,
+    }[activation]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), make(), nn.Linear(16, 5), make()).to(DEVICE)
+    ours = copy.deepcopy(model)
+    report = tnn.patch(ours)
+    assert ("", "Sequential") in report.replaced and repr(ours) == repr(model)
+    fused = []
+    real_linear = tdnn.ops.matmul.linear
+    monkeypatch.setattr(tdnn.ops.matmul, "linear", lambda *a, **k: fused.append(k) or real_linear(*a, **k))
+    for name in ("gelu", "relu", "silu", "sigmoid", "tanh"):
+        monkeypatch.setattr(tdnn.ops.activation, name, None)  # an unfused activation would fail
+    x = randn(3, 4, 12)
+    got, dgot = _run(ours, x, 2)
+    assert [k.get("activation") for k in fused] == [_fusable_activation(ours[1])] * 2
+    same, dsame = _run(model, x, 2)
+    ref, dref = _run(copy.deepcopy(model).double(), x.double(), 2)
+    assert_close(got, ref, same, f"{activation} output")
+    for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+        assert_close(a, b, c, f"{activation} gradient {i}")
+
+
+def test_sequential_keeps_hooked_modules_apart():
+    model = nn.Sequential(nn.Linear(6, 4), nn.GELU()).to(DEVICE)
+    tnn.patch(model)
+    seen = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append(o))
+    out = model(randn(2, 6))
+    assert len(seen) == 1 and torch.equal(seen[0], out)  # the GELU ran on its own, its hook saw it

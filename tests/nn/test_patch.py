@@ -12,7 +12,7 @@ from torch import nn
 import tritondnn as tdnn
 import tritondnn.nn as tnn
 import tritondnn.nn.attention as tattn
-from helpers import DEVICE, ON_GPU, randn
+from helpers import DEVICE, ON_GPU, randn, torch_or_skip
 
 
 class Block(nn.Module):
@@ -47,11 +47,12 @@ def test_patch_replaces_in_place_and_trains_like_torch():
     replaced = dict(report.replaced)
     assert replaced == {
         "conv": "Conv2d", "bn": "BatchNorm2d", "act": "ReLU", "pool": "AdaptiveAvgPool2d",
-        "head.0": "Linear", "head.1": "GELU", "head.2": "LayerNorm", "head.3": "Linear",
+        "head": "Sequential", "head.0": "Linear", "head.1": "GELU", "head.2": "LayerNorm",
+        "head.3": "Linear",
     }  # fmt: skip
     assert ("flat", "Flatten", "no tritondnn module for this class") in report.skipped
     assert isinstance(model.conv, tnn.Conv2d) and [id(p) for p in model.parameters()] == params_before
-    assert "8 replaced" in str(report)
+    assert "9 replaced" in str(report)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         x, target = randn(4, 3, 5, 5), torch.randint(0, 3, (4,), device=DEVICE)
@@ -64,7 +65,7 @@ def test_patch_replaces_in_place_and_trains_like_torch():
             losses.append(loss.item())
         assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-5), f"step {step}"
     torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
-    assert tnn.unpatch(model) == 8 and type(model.conv) is nn.Conv2d and type(model.head[0]) is nn.Linear
+    assert tnn.unpatch(model) == 9 and type(model.conv) is nn.Conv2d and type(model.head[0]) is nn.Linear
 
 
 def test_include_exclude_and_user_subclasses():
@@ -74,8 +75,9 @@ def test_include_exclude_and_user_subclasses():
     skipped = {name: why for name, _, why in report.skipped}
     assert skipped["1"].startswith("subclass of torch.nn.Linear")
     assert skipped["2"] == "not included" and skipped["3.0"] == "excluded"
-    assert tnn.patch(model).replaced == [("2", "ReLU"), ("3.0", "Linear")]  # already-patched ones kept
-    assert tnn.unpatch(model) == 3
+    again = [("", "Sequential"), ("2", "ReLU"), ("3", "Sequential"), ("3.0", "Linear")]
+    assert tnn.patch(model).replaced == again  # already-patched ones kept
+    assert tnn.unpatch(model) == 5
 
 
 def test_patched_state_dict_round_trips():
@@ -168,7 +170,7 @@ def test_autocast_casts_as_pytorch(name, input_dtype):
     ours, theirs = AUTOCAST_CASES[name]
     x = randn(4, 8, dtype=input_dtype)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        expected = theirs(x)
+        expected = torch_or_skip(lambda: theirs(x))
         got = ours(x)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if got.dtype == torch.float32:  # fp32 math: the values must agree too

@@ -514,3 +514,66 @@ class Dropout(nn.Dropout):
         return run_or_fallback(
             self, input, lambda: ops.dropout.dropout(*args), lambda: nn.Dropout.forward(self, input)
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Containers.
+
+
+def _fusable_activation(module: nn.Module) -> str | None:
+    """The epilogue activation a (tritondnn) activation module computes, if a matmul can fuse it."""
+    kind = type(module)
+    if kind is GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"  # type: ignore[union-attr]
+    return {ReLU: "relu", SiLU: "silu", Sigmoid: "sigmoid", Tanh: "tanh"}.get(kind)  # type: ignore[call-overload]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether hooks would see ``module``'s own call (fusing it away would skip them)."""
+    glob = torch.nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or glob._global_forward_hooks
+        or glob._global_forward_pre_hooks
+        or glob._global_backward_hooks
+        or glob._global_backward_pre_hooks
+    )
+
+
+def _linear_activation(linear: nn.Linear, then: nn.Module, activation: str, x: torch.Tensor) -> torch.Tensor:
+    return run_or_fallback(
+        linear,
+        x,
+        lambda: ops.matmul.linear(x, linear.weight, linear.bias, activation=activation),
+        lambda: then(nn.Linear.forward(linear, x)),
+    )
+
+
+class Sequential(nn.Sequential):
+    """``torch.nn.Sequential`` that runs a Linear followed by a GELU, ReLU, SiLU, Sigmoid or Tanh
+    (both tritondnn's) as one ``tdnn.linear`` with the activation in its epilogue: one kernel
+    instead of two in the forward pass and in the backward pass (the activation's gradient joins
+    the bias gradient's kernel), as cuDNN's runtime fusion joins a matmul and a pointwise op. A
+    module with hooks, or an input off the backend's device, runs module by module as torch's."""
+
+    def forward(self, input: Any) -> Any:
+        modules = list(self._modules.values())
+        i = 0
+        while i < len(modules):
+            module = modules[i]
+            act = _fusable_activation(modules[i + 1]) if i + 1 < len(modules) else None
+            if (
+                act is not None
+                and type(module) is Linear
+                and on_backend(input)
+                and not (_hooked(module) or _hooked(modules[i + 1]))
+            ):
+                input = _linear_activation(module, modules[i + 1], act, input)
+                i += 2
+                continue
+            input = module(input)
+            i += 1
+        return input

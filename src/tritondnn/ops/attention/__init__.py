@@ -22,7 +22,7 @@ from ...core.backend import INTERPRET
 from ...core.checks import check_tensor, check_values
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig
-from ...core.library import custom_op, plain_eager
+from ...core.library import custom_op, eager_tensor, plain_eager
 from .arguments import (
     MAX_HEAD_DIM,
     OP,
@@ -169,8 +169,10 @@ def _empty_out(q: torch.Tensor, last: int, dtype: torch.dtype, zero: bool = Fals
     """An output of q's shape with last dim ``last``, in q's memory order (a BSHD-in-memory query
     gives a BSHD-in-memory output), the last dim innermost. ``zero``: zero-filled (packed
     sequences: rows past the last offset belong to no sequence and are written by no kernel)."""
-    order = [*sorted(range(q.ndim - 1), key=lambda d: -q.stride(d)), q.ndim - 1]
     shape = [*q.shape[:-1], last]
+    if q.is_contiguous():  # the common case, without sorting strides (host time on every call)
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=q.device)
+    order = [*sorted(range(q.ndim - 1), key=lambda d: -q.stride(d)), q.ndim - 1]
     phys = (torch.zeros if zero else torch.empty)([shape[d] for d in order], dtype=dtype, device=q.device)
     return phys.permute([order.index(d) for d in range(q.ndim)])
 
@@ -486,6 +488,24 @@ def _eager_forward(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse
     return run
 
 
+def _eager_training(call: _Call, return_lse: bool) -> Callable:
+    """The call through autograd for new q, k, v of the same geometry, validated once: the call
+    it keeps holds none of this call's tensors (the options that would are absent here)."""
+    template = call._replace(q=None, k=None, v=None)
+
+    def run(q, k, v, block_table):
+        o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
+        return (o, lse) if return_lse else o
+
+    return run
+
+
+def _cache(key: tuple, run: Callable) -> None:
+    if len(_eager) >= _EAGER_LIMIT:  # e.g. a decode loop over a growing contiguous cache
+        _eager.clear()
+    _eager[key] = run
+
+
 @autocast_policy(LOWER, LOWER)
 def sdpa(
     query: torch.Tensor,
@@ -584,15 +604,18 @@ def sdpa(
         and descale_v is None
         and out_dtype is None
         and query.ndim == 4
-        and plain_eager(query)
-        and plain_eager(key)
-        and plain_eager(value)
+        and eager_tensor(query)
+        and eager_tensor(key)
+        and eager_tensor(value)
         and (block_table is None or plain_eager(block_table))
     ):
+        training = torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+        )
         eager = (
-            config.version, query.shape, query.stride(), query.dtype, key.shape, key.stride(), key.dtype,
-            value.shape, value.stride(), value.dtype, query.device, is_causal, scale, enable_gqa, layout,
-            causal_alignment, window, return_lse,
+            training, config.version, query.shape, query.stride(), query.dtype, key.shape, key.stride(),
+            key.dtype, value.shape, value.stride(), value.dtype, query.device, is_causal, scale, enable_gqa,
+            layout, causal_alignment, window, return_lse,
             None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
         )  # fmt: skip
         fast = _eager.get(eager)
@@ -617,12 +640,12 @@ def sdpa(
         if call.descale is not None:
             raise ValueError(f"{OP}: fp8 attention is forward-only")
         o, lse = _AttentionFunction.apply(call.q, call.k, call.v, call.bias, call.sinks, call)
+        if eager is not None:
+            _cache(eager, _eager_training(call, return_lse))
     else:
         o, lse = _forward(*call.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
         if eager is not None and o.numel() and call.k.numel() and call.meta.seqlen_kv and o.shape[-1]:
-            if len(_eager) >= _EAGER_LIMIT:  # e.g. a decode loop over a growing contiguous cache
-                _eager.clear()
-            _eager[eager] = _eager_forward(call, o, lse, return_lse)
+            _cache(eager, _eager_forward(call, o, lse, return_lse))
     if call.meta.squeeze:
         o = o.squeeze(1)
         lse = lse.squeeze(1)

@@ -47,6 +47,14 @@ def test_bench_writes_the_results_schema(tmp_path):
     assert "x torch" in result.stdout  # the ratio column
 
 
+def test_bench_match_selects_cases(tmp_path):
+    out = tmp_path / "r.json"
+    result = _cli("bench", "softmax", "--quick", "--match", "COPY", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    cases = {r["case"] for r in json.loads(out.read_text())["rows"]}
+    assert cases and all(c.startswith("copy ") for c in cases)
+
+
 def test_bench_unknown_suite():
     result = _cli("bench", "nosuch")
     assert result.returncode == 2 and "unknown suite(s) nosuch" in result.stderr

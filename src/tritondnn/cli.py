@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--json", metavar="FILE", help="write the results JSON here")
     b.add_argument("--plot", metavar="FILE", help="write a chart (PNG) here")
     b.add_argument("--quick", action="store_true", help="a few representative cases")
+    b.add_argument("--match", metavar="TEXT", help="only the cases whose name contains TEXT")
     sub.add_parser("info", help="backend, device, versions, config, cache location, engines")
     a = sub.add_parser("autotune", help="fill the autotune cache for the benchmark cases")
     a.add_argument("suites", nargs="*", metavar="SUITE")
@@ -65,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo.main()
     if args.command == "bench":
         try:
-            bench.run(args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot)
+            bench.run(
+                args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot, match=args.match
+            )
         except ValueError as exc:
             parser.error(str(exc))
         return 0

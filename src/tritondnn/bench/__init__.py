@@ -168,9 +168,11 @@ def run(
     quick: bool = False,
     json_path: str | None = None,
     plot_path: str | None = None,
+    match: str | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[Row]:
-    """Run the named suites (all when empty) and write the results JSON and chart if asked."""
+    """Run the named suites (all when empty), only their cases whose name contains ``match``
+    (case-insensitive) if given, and write the results JSON and chart if asked."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES)}")
@@ -180,7 +182,10 @@ def run(
         for suite in suites or SUITES:
             module = importlib.import_module(f"{__name__}.{suite}")
             echo(f"\n[{suite}]")
-            run_cases(suite, module.cases(quick), Table(echo), rows)
+            cases = module.cases(quick)
+            if match:
+                cases = (c for c in cases if match.lower() in c.name.lower())
+            run_cases(suite, cases, Table(echo), rows)
     except KeyboardInterrupt:  # a time limit's SIGINT: keep what was measured
         echo(f"\ninterrupted: writing the {len(rows)} rows measured so far")
     if json_path:

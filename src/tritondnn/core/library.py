@@ -24,7 +24,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def eager_tensor(x: object) -> bool:
     """Whether ``x`` is an ordinary tensor (or parameter) on the backend's device and no tracing is
     under way: a call on it may take a family's cached path, through autograd or not."""
-    return type(x) in _PLAIN and getattr(x, ON_DEVICE_ATTR) and not torch.compiler.is_compiling()
+    return direct_call(x) and getattr(x, ON_DEVICE_ATTR)
 
 
 def plain_eager(x: object) -> bool:

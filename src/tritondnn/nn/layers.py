@@ -525,7 +525,10 @@ def _fusable_activation(module: nn.Module) -> str | None:
     kind = type(module)
     if kind is GELU:
         return "gelu_tanh" if module.approximate == "tanh" else "gelu"  # type: ignore[union-attr]
-    return {ReLU: "relu", SiLU: "silu", Sigmoid: "sigmoid", Tanh: "tanh"}.get(kind)  # type: ignore[call-overload]
+    return _EPILOGUE_ACTIVATIONS.get(kind)
+
+
+_EPILOGUE_ACTIVATIONS: dict[type, str] = {ReLU: "relu", SiLU: "silu", Sigmoid: "sigmoid", Tanh: "tanh"}
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -564,13 +567,12 @@ class Sequential(nn.Sequential):
         i = 0
         while i < len(modules):
             module = modules[i]
-            act = _fusable_activation(modules[i + 1]) if i + 1 < len(modules) else None
-            if (
-                act is not None
-                and type(module) is Linear
-                and on_backend(input)
-                and not (_hooked(module) or _hooked(modules[i + 1]))
-            ):
+            act = (
+                _fusable_activation(modules[i + 1])
+                if type(module) is Linear and i + 1 < len(modules)
+                else None
+            )
+            if act is not None and on_backend(input) and not (_hooked(module) or _hooked(modules[i + 1])):
                 input = _linear_activation(module, modules[i + 1], act, input)
                 i += 2
                 continue

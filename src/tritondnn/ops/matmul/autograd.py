@@ -54,15 +54,18 @@ class _Backward:
         self.ready = False
 
     def __call__(self, grad, x, y, pre, alpha, p0, p1):
-        if not self.ready:
-            return self._first(grad, x, y, pre, alpha, p0, p1)
+        first = not self.ready
+        if first:
+            raw, grad = grad, self._plan_epilogue(grad, x, y, pre)
         d, dbias = grad, None
         if self.epilogue is not None:
             dpre, dbias = self.epilogue(grad, pre, p0, p1)
             d = grad if dpre is None else dpre
         if self.cast is not None:
             d = d.to(self.cast)
-        if self.pad:
+        if first:
+            d = self._plan_products(d, x, y)
+        elif self.pad:
             d = padded_rows(d.reshape(-1, d.shape[-1]))
         da = db = None
         if self.da is not None:
@@ -72,30 +75,34 @@ class _Backward:
             operands = (x, d) if not self.db_order else (d, x)
             db = self.db(*operands, None, None, None, None, None, alpha, 0.0, 0.0, 0.0)[0]
             db = db.mT if self.db_order == "tt" else db
+        if first:
+            # Later calls pass the raw gradient: only if the one seen here was a view of it, not a copy.
+            self.ready = grad.data_ptr() == raw.data_ptr()
         return da, db, dbias
 
-    def _first(self, grad, x, y, pre, alpha, p0, p1):
-        a = x if self.rows is None else x.view(self.rows)
-        b = y.mT if self.transposed else y
-        g = grad if self.rows is None else grad.reshape(self.rows[0], b.shape[-1])
-        d, dbias = g, None
+    def _plan_epilogue(self, grad, x, y, pre):
+        """The epilogue's plan and the dtype cast after it; returns the gradient as the product's
+        rows (a view of ``grad`` where its layout allows)."""
+        n = y.shape[-2] if self.transposed else y.shape[-1]
+        g = grad if self.rows is None else grad.reshape(self.rows[0], n)
         if self.activation >= 0 or self.bias_kind:
-            m, n = g.shape[-2:]
+            m = g.shape[-2]
             g3, pre3 = g.reshape(-1, m, n), None if pre is None else pre.reshape(-1, m, n)
             self.epilogue = backward_plan(g3, pre3, self.activation, self.bias_kind, self.bias_dtype)
-            dpre, dbias = self.epilogue(g3, pre3, p0, p1)
-            d = g if dpre is None else dpre.view(g.shape)
-        if d.dtype != a.dtype:
-            self.cast = a.dtype
-            d = d.to(a.dtype)
+        d_dtype = pre.dtype if self.activation >= 0 else g.dtype
+        self.cast = x.dtype if d_dtype != x.dtype else None
+        return g
+
+    def _plan_products(self, d, x, y):
+        """The two products' plans, on views of this call's tensors; returns ``d`` as they read it
+        (one aligned copy for both where its rows are not 16-byte aligned: logits over a vocabulary)."""
+        a = x if self.rows is None else x.view(self.rows)
+        b = y.mT if self.transposed else y
         padded = padded_rows(d) if self.need_a and self.need_b else None
-        if padded is not None:  # one aligned copy for both products (logits over a vocabulary)
+        if padded is not None:
             self.pad, d = True, padded
-        da = db = None
-        none = (None,) * 5
         if self.need_a:
             self.da = forward_plan(d, b.mT, None, None, None, False, a.dtype, 0, -1, False, False)
-            da = self.da(d, b.mT, *none, alpha, 0.0, 0.0, 0.0, x.shape if self.rows is not None else None)[0]
         if self.need_b:
             # The gradient in the memory order of the B the caller has: a transposed weight's (or
             # a column-major B's) as (dpre^T A)^T, so it lands in the weight's own layout
@@ -106,11 +113,7 @@ class _Backward:
             else:
                 operands = (a.mT, d)
             self.db = forward_plan(*operands, None, None, None, False, b.dtype, 0, -1, False, False)
-            db = self.db(*operands, *none, alpha, 0.0, 0.0, 0.0)[0]
-            db = db.mT if self.db_order == "tt" else db
-        # Later calls pass the raw gradient: only if the one seen here was a view of it, not a copy.
-        self.ready = g.data_ptr() == grad.data_ptr()
-        return da, db, dbias
+        return d
 
 
 class _MatmulFunction(torch.autograd.Function):

@@ -18,8 +18,6 @@ pytestmark = pytest.mark.skipif(
     ON_GPU, reason="gloo over CPU tensors runs in CI; on GPUs the NCCL runs use torchrun (2 GPUs)"
 )
 
-SIZES = (3, 5)  # rows per rank: uneven on purpose
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -27,19 +25,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _data(channels_last: bool):
+def _data(sizes: tuple[int, ...], channels_last: bool):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(sum(SIZES), 4, 3, 3, generator=gen) * 2 + 50  # a large mean
+    x = torch.randn(sum(sizes), 4, 3, 3, generator=gen) * 2 + 50  # a large mean
     dy = torch.randn(x.shape, generator=gen)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     return x, dy
 
 
-def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
+def _worker(rank: int, port: int, out_dir: str, sizes: tuple[int, ...], channels_last: bool) -> None:
     torch.set_num_threads(1)  # one thread a process: the ranks share CI's two cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=len(SIZES))
+    dist.init_process_group("gloo", rank=rank, world_size=len(sizes))
     try:
         torch.manual_seed(0)
         bn = nn.BatchNorm2d(4, momentum=0.3)
@@ -47,11 +45,11 @@ def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
             bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
         model = tnn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(bn))
         assert type(model[0]) is tnn.SyncBatchNorm
-        x, dy = _data(channels_last)
-        start = sum(SIZES[:rank])
-        xs = x[start : start + SIZES[rank]].detach().requires_grad_(True)
+        x, dy = _data(sizes, channels_last)
+        start = sum(sizes[:rank])
+        xs = x[start : start + sizes[rank]].detach().requires_grad_(True)
         y = model(xs)
-        y.backward(dy[start : start + SIZES[rank]])
+        y.backward(dy[start : start + sizes[rank]])
         torch.save(
             {"y": y.detach(), "dx": xs.grad, "dw": model[0].weight.grad, "db": model[0].bias.grad,
              "rm": model[0].running_mean, "rv": model[0].running_var},
@@ -61,16 +59,17 @@ def _worker(rank: int, port: int, out_dir: str, channels_last: bool) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_matches_batch_norm_over_the_global_batch(tmp_path, channels_last):
-    run_processes(_worker, (_free_port(), str(tmp_path), channels_last), len(SIZES))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(SIZES))]
+# Rows per rank: uneven, and a rank with none (it still joins both collectives).
+@pytest.mark.parametrize(("sizes", "channels_last"), [((3, 5), False), ((3, 5), True), ((0, 6), True)])
+def test_matches_batch_norm_over_the_global_batch(tmp_path, sizes, channels_last):
+    run_processes(_worker, (_free_port(), str(tmp_path), sizes, channels_last), len(sizes))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(sizes))]
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(4, momentum=0.3)
     with torch.no_grad():
         bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
     bn = bn.double()
-    x, dy = _data(channels_last)
+    x, dy = _data(sizes, channels_last)
     x = x.double().requires_grad_(True)
     y = bn(x)
     y.backward(dy.double())

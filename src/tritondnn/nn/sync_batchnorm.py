@@ -1,12 +1,9 @@
 """``SyncBatchNorm``: batch normalization over the global batch of a torch.distributed group.
 
-Forward: each rank's per-channel statistics (``batch_norm_stats``) become (count, mean, M2) —
-M2 the sum of squared deviations from the rank's own mean — gathered across the group in one
-collective and combined with Chan's parallel formula (exact, and free of the cancellation that
-summing raw squares over ranks would suffer for large means); the finalize + apply kernel then
-normalizes. Backward: the per-channel ``sum(dy)`` and ``sum(dy * x_hat)`` of each rank are summed
-by one all-reduce before the elementwise pass. Ranks may hold different batch sizes (even none).
-Counts stay on the device: no host synchronization.
+Per layer and step, one all-gather of each rank's per-channel (count, mean, M2) in the forward
+pass and one all-reduce of the per-channel (sum dy, sum dy * x_hat) in the backward pass; the
+device work between them is ``ops.norm.batch_sync``'s (a few kernels, no host synchronization).
+Ranks may hold different batch sizes (even none).
 """
 
 from __future__ import annotations
@@ -15,44 +12,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ops.norm import (
-    batch_norm_apply,
-    batch_norm_backward_apply,
-    batch_norm_backward_reduce,
-    batch_norm_stats,
-)
+from ..ops.norm.batch_sync import sync_batch_norm_backward, sync_batch_norm_forward
 from .layers import BatchNorm1d, on_backend
 
-
-def _global_statistics(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean, biased variance, count) per channel over every rank's ``x``, fp32."""
-    total, total_sq, shift, n = batch_norm_stats(x)
-    local_n = max(n, 1)
-    centred = total / local_n
-    local = torch.stack([
-        torch.full_like(total, float(n)),
-        shift + centred,
-        total_sq - total * centred,  # M2 about the local mean
-    ])  # fmt: skip
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    counts, means, m2 = torch.stack(gathered).unbind(1)  # each (world, C)
-    count = counts.sum(0)
-    mean = (counts * means).sum(0) / count
-    m2 = (m2 + counts * (means - mean) ** 2).sum(0)
-    return mean, m2 / count, count
+# torch 2.13 renamed all_gather_into_tensor (a stack of every rank's tensor into one output).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, group):
-        mean, var, count = _global_statistics(x, group)
-        # finalize + apply from the combined statistics: shift = mean and zero centred sum.
-        y, mean, invstd = batch_norm_apply(x, torch.zeros_like(mean), var, mean, 1, weight, bias, eps=eps)
-        if running_mean is not None:
-            unbiased = var * count / (count - 1).clamp_min(1)
-            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        def all_gather(out: torch.Tensor, local: torch.Tensor) -> None:
+            _all_gather_single(out, local, group=group)
+
+        world = dist.get_world_size(group)
+        y, mean, invstd, count = sync_batch_norm_forward(
+            x, weight, bias, running_mean, running_var, momentum, eps, world, all_gather
+        )
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.group = group
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -61,15 +37,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, invstd, count = ctx.saved_tensors
-        sum_dy, sum_dy_xhat = batch_norm_backward_reduce(dy, x, mean, invstd, weight)
-        channels = sum_dy.shape[0]
-        both = torch.cat([sum_dy, sum_dy_xhat])
-        dist.all_reduce(both, group=ctx.group)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = batch_norm_backward_apply(
-                dy, x, mean, invstd, weight, both[:channels] / count, both[channels:] / count, 1.0
-            )
+        group = ctx.group
+        dx, sum_dy, sum_dy_xhat = sync_batch_norm_backward(
+            dy,
+            x,
+            weight,
+            mean,
+            invstd,
+            count,
+            lambda t: dist.all_reduce(t, group=group),
+            ctx.needs_input_grad[0],
+        )
         # Parameter gradients stay local, as torch's SyncBatchNorm: DDP averages them.
         dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
         db = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None

@@ -173,9 +173,12 @@ def workloads(tiny: bool) -> list[Workload]:
     ]
 
 
-def _step_fn(
+def training_step(
     model: nn.Module, opt: torch.optim.Optimizer, low_precision: bool
 ) -> Callable[..., torch.Tensor]:
+    """``step(x, target)``: forward (bf16 autocast if ``low_precision``), cross entropy in fp32,
+    backward and an optimizer step; returns the loss, detached."""
+
     def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16, enabled=low_precision):
             logits = model(x)
@@ -207,7 +210,7 @@ def compare(w: Workload, steps: int, low_precision: bool) -> dict[str, list[floa
     ours, plain = _pair(w)
     out: dict[str, list[float]] = {}
     for name, model in (("tritondnn", ours), ("torch", plain)):
-        step = _step_fn(model, w.make_optimizer(model), low_precision)
+        step = training_step(model, w.make_optimizer(model), low_precision)
         gen = torch.Generator().manual_seed(1)
         losses, times = [], []
         for _ in range(steps):
@@ -236,14 +239,14 @@ def cases(quick: bool = False) -> Iterator[Case]:
         if w.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         low = not INTERPRET
-        step_ours = _step_fn(ours, w.make_optimizer(ours), low)
-        step_plain = _step_fn(plain, w.make_optimizer(plain), low)
+        step_ours = training_step(ours, w.make_optimizer(ours), low)
+        step_plain = training_step(plain, w.make_optimizer(plain), low)
         compile_plain = compile_ours = None
         if not quick:
             twin = copy.deepcopy(plain)
-            compile_plain = compiled(_step_fn(twin, w.make_optimizer(twin), low), x, target)
+            compile_plain = compiled(training_step(twin, w.make_optimizer(twin), low), x, target)
             ours_twin = copy.deepcopy(ours)
-            compile_ours = compiled(_step_fn(ours_twin, w.make_optimizer(ours_twin), low), x, target)
+            compile_ours = compiled(training_step(ours_twin, w.make_optimizer(ours_twin), low), x, target)
         yield Case(
             f"{w.name} train step",
             {

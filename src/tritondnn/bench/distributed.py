@@ -1,0 +1,400 @@
+"""The ``distributed`` suite: data-parallel training over several processes, run under torchrun.
+
+    torchrun --nproc_per_node=2 -m tritondnn.bench.distributed --json out/distributed.json
+
+One process per GPU (NCCL); on a CPU, ``--tiny`` runs small models over gloo through Triton's
+interpreter. Unlike the other suites this one cannot run inside ``tritondnn bench``: every rank
+must make the same collective calls, so each timed call runs a fixed number of times on every
+rank (no adaptive repetition) and a case's time is the slowest rank's median.
+
+Cases:
+
+* ``sync_batch_norm``: ``tdnn.nn.SyncBatchNorm`` against ``torch.nn.SyncBatchNorm``, forward
+  and forward+backward, on each rank's share of the batch (GB/s counts each rank's minimal bytes).
+* Whole models (``bench.models``'s ResNet-50 and GPT-2 small): one training step on one GPU with
+  the global batch, and with the batch split over the ranks under ``DistributedDataParallel``
+  (BatchNorm converted to SyncBatchNorm) and under FSDP2 (``fully_shard`` on four groups of
+  blocks, then the rest; parameters kept gathered from forward to backward: see ``FSDP_UNITS``); tritondnn
+  patched against plain PyTorch. The losses of the split runs are compared with the one-GPU run
+  on the same data (``--losses`` writes them; the run fails where they differ by more than
+  ``LossCheck.TOLERANCE``), beside two controls: rank 1 trains the one-GPU model on the same
+  batches with their rows reversed, which changes nothing but the order of every batch
+  reduction, and each rank trains on its share with no communication at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.backend import DEVICE_TYPE, INTERPRET
+from . import Case, Row, Table, write_json
+from .models import GPT, ResNet, training_step
+
+SUITE = "distributed"
+WRAPPERS = ("ddp", "fsdp2")
+# FSDP2 sharding units (groups of blocks). Each unit costs host time in hooks every step (about
+# 1 ms per block in backward for GPT-2 small on an H200 host, under the profiler): per-block
+# units make the hooks the bottleneck at these sizes; four units still overlap gathers with
+# compute. Gathered parameters stay from forward to backward (no second all-gather): these
+# models fit unsharded.
+FSDP_UNITS = 4
+
+
+def _sync() -> None:
+    if not INTERPRET:
+        torch.cuda.synchronize()
+
+
+def _slowest(value: float) -> float:
+    """The largest ``value`` over the ranks (a step is as slow as its slowest rank)."""
+    t = torch.tensor([value], dtype=torch.float64, device=DEVICE_TYPE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def lockstep_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of one call of ``fn`` (which may make collective calls), every rank
+    calling it the same number of times; the slowest rank's median."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    dist.barrier()
+    if INTERPRET:
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+    else:
+        timer = lambda: torch.cuda.Event(enable_timing=True)
+        events = [(timer(), timer()) for _ in range(reps)]
+        for begin, end in events:
+            begin.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        samples = [begin.elapsed_time(end) for begin, end in events]
+    return _slowest(statistics.median(samples))
+
+
+# ---------------------------------------------------------------------------------------------
+# SyncBatchNorm.
+
+
+def sync_batch_norm_cases(tiny: bool) -> list[Case]:
+    """tritondnn's and torch's SyncBatchNorm on each rank's (N, C, H, W) share, channels_last."""
+    from ..nn import SyncBatchNorm
+
+    n, c, hw = (4, 8, 6) if tiny else (64, 256, 56)
+    dtype, dtype_name = (torch.float32, "fp32") if INTERPRET else (torch.bfloat16, "bf16")
+    gen = torch.Generator(DEVICE_TYPE).manual_seed(dist.get_rank())
+    x = torch.randn(n, c, hw, hw, generator=gen, device=DEVICE_TYPE, dtype=dtype)
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    dy = torch.randn(x.shape, generator=gen, device=DEVICE_TYPE, dtype=dtype)
+    dy = dy.contiguous(memory_format=torch.channels_last)
+    theirs = nn.SyncBatchNorm(c).to(DEVICE_TYPE)
+    ours = copy.deepcopy(theirs)
+    ours.__class__ = SyncBatchNorm
+
+    def forward(bn: nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return bn(x)
+
+        return run
+
+    def forward_backward(bn: nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            x.grad = None
+            bn.weight.grad = bn.bias.grad = None
+            bn(x).backward(dy)
+
+        return run
+
+    def both(make: Callable[[nn.Module], Callable[[], object]]) -> dict[str, Callable[[], object]]:
+        # torch's SyncBatchNorm refuses CPU tensors: no anchor under the interpreter.
+        return {"tritondnn": make(ours)} if INTERPRET else {"tritondnn": make(ours), "torch": make(theirs)}
+
+    name = f"sync_batch_norm {n}x{c}x{hw}x{hw} per rank {dtype_name} NHWC"
+    size = x.numel() * x.element_size()
+    return [
+        Case(f"{name} fwd", both(forward), bytes=2 * size),
+        # x and dy read, dx written by the backward; x read and y written by the forward.
+        Case(f"{name} fwd+bwd", both(forward_backward), bytes=5 * size),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models.
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model trained data-parallel: ``per_rank`` samples on each rank, the global batch
+    (``per_rank`` times the world size) on one GPU for the reference."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    per_rank: int
+    blocks: Callable[[nn.Module], Sequence[nn.Module]]  # the repeated blocks FSDP2 shards in groups
+    channels_last: bool = False
+
+
+def workloads(tiny: bool) -> list[Workload]:
+    dev = DEVICE_TYPE
+
+    def images(size: int, classes: int):
+        def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.randn(n, 3, size, size, generator=g, device=dev)
+            return x.contiguous(memory_format=torch.channels_last), torch.randint(
+                0, classes, (n,), generator=g, device=dev
+            )
+
+        return batch
+
+    def tokens(s: int, vocab: int):
+        def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = torch.randint(0, vocab, (n, s + 1), generator=g, device=dev)
+            return ids[:, :-1], ids[:, 1:]
+
+        return batch
+
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4)
+    blocks = lambda m: list(m.blocks)
+    bottlenecks = lambda m: list(m.layers)
+    if tiny:
+        gpt = Workload("gpt tiny", lambda: GPT(64, 32, 2, 2, 16), tokens(16, 64), adamw, 2, blocks)
+        small_resnet = lambda: ResNet((1, 1), 4, 10)
+        resnet = Workload("resnet tiny", small_resnet, images(16, 10), sgd, 2, bottlenecks, True)
+        # DDP refuses SyncBatchNorm in CPU modules (tests/nn/test_sync_batchnorm.py covers it on gloo).
+        return [gpt] if INTERPRET else [gpt, resnet]
+    return [
+        Workload("gpt2-small S1024 bf16", GPT, tokens(1024, 50257), adamw, 8, blocks),
+        Workload("resnet50 224 bf16 NHWC", ResNet, images(224, 1000), sgd, 64, bottlenecks, True),
+    ]
+
+
+def _prepare(w: Workload, provider: str, wrapper: str | None) -> nn.Module:
+    """The workload's model (the same initial weights everywhere) on this rank's device, patched
+    for ``tritondnn``. ``wrapper``: None (one process), ``"ddp"`` or ``"fsdp2"`` (BatchNorm
+    synced, the model wrapped), or ``"unsynced"`` (the control: each rank trains alone)."""
+    from ..nn import SyncBatchNorm, patch
+
+    torch.manual_seed(0)
+    model = w.make_model()
+    if wrapper in WRAPPERS:
+        model = (SyncBatchNorm if provider == "tritondnn" else nn.SyncBatchNorm).convert_sync_batchnorm(model)
+    if provider == "tritondnn":
+        patch(model, sdpa=True)
+    model = model.to(DEVICE_TYPE)
+    if w.channels_last and wrapper != "fsdp2":  # FSDP2 refuses parameters that are not contiguous
+        model = model.to(memory_format=torch.channels_last)
+    if wrapper == "ddp":
+        ids = None if INTERPRET else [torch.cuda.current_device()]
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = list(w.blocks(model))
+        size = -(-len(blocks) // FSDP_UNITS)
+        for i in range(0, len(blocks), size):
+            fully_shard(blocks[i : i + size], reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+    return model
+
+
+def train(
+    w: Workload, provider: str, wrapper: str | None, steps: int, warmup: int
+) -> tuple[list[float], float]:
+    """Train ``steps`` steps; (the global batch's loss each step, the median step time in ms over
+    the steps after ``warmup``). ``wrapper`` None: one process trains on the whole batch (rank 1
+    and up on the same rows reversed); else each rank trains on its rows of it."""
+    model = _prepare(w, provider, wrapper)
+    step = training_step(model, w.make_optimizer(model), low_precision=not INTERPRET)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, times = [], []
+    for i in range(steps):
+        x, target = w.make_batch(w.per_rank * world, torch.Generator(DEVICE_TYPE).manual_seed(100 + i))
+        if wrapper is not None:
+            rows = slice(rank * w.per_rank, (rank + 1) * w.per_rank)
+            x, target = x[rows], target[rows]
+        elif rank > 0:
+            x, target = x.flip(0), target.flip(0)
+        if w.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        _sync()
+        if wrapper is not None:
+            dist.barrier()  # a step starts together on every rank
+        start = time.perf_counter()
+        loss = step(x, target)
+        if wrapper is not None:
+            dist.all_reduce(loss)  # the mean of the ranks' means (gloo has no AVG)
+            loss = loss / world
+        losses.append(loss.item())  # waits for the step
+        times.append((time.perf_counter() - start) * 1e3)
+    del model, step
+    if not INTERPRET:
+        torch.cuda.empty_cache()
+    return losses, statistics.median(times[warmup:])
+
+
+@dataclasses.dataclass
+class LossCheck:
+    """A split run's losses against the one-GPU run's, beside two controls: the one-GPU run on the
+    batches' rows reversed (the noise of reduction order alone) and the split run without any
+    communication (what a check must tell apart from synchronized training).
+
+    ``TOLERANCE``, relative: measured on an H200 over 12 steps of GPT-2 small in bf16, reversed
+    rows moved the loss by 2-4e-6 and DDP/FSDP2 splits by 2e-6 to 1.5e-5; fp32 on a CPU, 1e-7
+    to 2e-7; an unsynchronized split moves it by more than 3e-4 (``unsynced_error``)."""
+
+    TOLERANCE = 1e-4
+
+    case: str
+    split: list[float]
+    one_gpu: list[float]
+    one_gpu_reversed: list[float]
+    unsynced: list[float]
+
+    @staticmethod
+    def _worst(a: Sequence[float], b: Sequence[float]) -> float:
+        return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+    @property
+    def error(self) -> float:
+        return self._worst(self.split, self.one_gpu)
+
+    @property
+    def noise(self) -> float:
+        return self._worst(self.one_gpu_reversed, self.one_gpu)
+
+    @property
+    def unsynced_error(self) -> float:
+        return self._worst(self.unsynced, self.one_gpu)
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.TOLERANCE
+
+
+def model_cases(
+    workload_list: Sequence[Workload], providers: Sequence[str], steps: int, warmup: int, table: Table
+) -> tuple[list[Row], list[LossCheck]]:
+    rows: list[Row] = []
+    checks: list[LossCheck] = []
+    world = dist.get_world_size()
+    for w in workload_list:
+        batch = w.per_rank * world
+        one_gpu_case = Case(f"{w.name} B{batch} 1 GPU train step", {})
+        one: dict[str, list[list[float]]] = {}
+        measured = []
+        for provider in providers:
+            losses, ms = train(w, provider, None, steps, warmup)
+            one[provider] = [[] for _ in range(world)]
+            dist.all_gather_object(one[provider], losses)
+            rank0_ms = torch.tensor([ms], dtype=torch.float64, device=DEVICE_TYPE)
+            dist.broadcast(rank0_ms, 0)
+            measured.append(Row(SUITE, one_gpu_case.name, provider, float(rank0_ms.item()), None, None))
+        table.add(one_gpu_case, measured)
+        rows += measured
+        unsynced = {p: train(w, p, "unsynced", steps, warmup)[0] for p in providers}
+        for wrapper in WRAPPERS:
+            case = Case(f"{w.name} B{batch} {wrapper} {world} GPUs train step", {})
+            measured = []
+            for provider in providers:
+                losses, ms = train(w, provider, wrapper, steps, warmup)
+                measured.append(Row(SUITE, case.name, provider, _slowest(ms), None, None))
+                checks.append(
+                    LossCheck(f"{case.name} {provider}", losses, *one[provider][:2], unsynced[provider])
+                )
+            table.add(case, measured)
+            rows += measured
+            for provider in providers:
+                single = next(r.ms for r in rows if r.case == one_gpu_case.name and r.provider == provider)
+                split = next(r.ms for r in measured if r.provider == provider)
+                table.echo(f"  {provider}: {world} GPUs {single / split:.2f}x the throughput of one")
+    return rows, checks
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results JSON here (rank 0)")
+    parser.add_argument("--losses", help="write each split run's losses and their check here (rank 0)")
+    parser.add_argument("--tiny", action="store_true", help="small models and tensors (CPU; quick check)")
+    parser.add_argument("--match", help="only the cases whose name contains this text")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=4, help="steps not timed")
+    parser.add_argument("--no-torch", action="store_true", help="skip PyTorch's runs of the models")
+    args = parser.parse_args(argv)
+
+    if not INTERPRET:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("gloo" if INTERPRET else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        dist.destroy_process_group()
+        parser.error("run it under torchrun with two or more processes (--nproc_per_node=2)")
+    table = Table(print if rank == 0 else lambda line: None)
+    match = (args.match or "").lower()
+    try:
+        rows: list[Row] = []
+        for case in sync_batch_norm_cases(args.tiny):
+            if match not in case.name.lower():
+                continue
+            measured = [
+                Row(SUITE, case.name, provider, ms, None, case.bytes / ms / 1e6)
+                for provider, fn in case.providers.items()
+                for ms in [lockstep_ms(fn, reps=5 if INTERPRET else 50)]
+            ]
+            table.add(case, measured)
+            rows += measured
+        providers = ("tritondnn",) if args.no_torch else ("tritondnn", "torch")
+        chosen = [w for w in workloads(args.tiny) if match in w.name.lower()]
+        model_rows, checks = model_cases(chosen, providers, args.steps, args.warmup, table)
+        rows += model_rows
+        for check in checks:
+            table.echo(
+                f"losses {check.case}: worst relative difference from one GPU {check.error:.2e}"
+                f" (tolerance {check.TOLERANCE:.0e}; rows reversed {check.noise:.2e},"
+                f" unsynchronized {check.unsynced_error:.2e}) " + ("ok" if check.ok else "TOO LARGE")
+            )
+        if rank == 0 and args.json:
+            write_json(rows, args.json)
+        if rank == 0 and args.losses:
+            payload = [
+                dict(
+                    dataclasses.asdict(c),
+                    error=c.error,
+                    noise=c.noise,
+                    unsynced_error=c.unsynced_error,
+                    ok=c.ok,
+                )
+                for c in checks
+            ]
+            with open(args.losses, "w") as f:
+                json.dump(payload, f, indent=1)
+        return 0 if all(c.ok for c in checks) else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,11 +3,13 @@
 Launch one process per GPU (NCCL), or two CPU processes (gloo, tiny model, Triton's interpreter):
 
     torchrun --nproc_per_node=2 examples/ddp_train.py            # GPUs: ResNet-50, N=64 per GPU
+    torchrun --nproc_per_node=2 examples/ddp_train.py --fsdp2    # the same, sharded with FSDP2
     torchrun --nproc_per_node=2 examples/ddp_train.py --tiny     # CPU or a quick GPU check
 
 On GPUs the model's BatchNorm layers become ``tdnn.nn.SyncBatchNorm`` (statistics over the global
 batch); every other supported layer is patched to tritondnn's, and DistributedDataParallel averages the
-gradients. Rank 0 prints the loss and the step time.
+gradients (or, with ``--fsdp2``, ``fully_shard`` shards parameters, gradients and optimizer state
+over the ranks, one unit per stage of blocks). Rank 0 prints the loss and the step time.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="a small ResNet on 16x16 images")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fsdp2", action="store_true", help="shard with fully_shard instead of DDP")
     args = parser.parse_args()
 
     on_gpu = tdnn.backend() == "gpu"
@@ -43,11 +46,22 @@ def main() -> None:
     if on_gpu:  # DDP accepts SyncBatchNorm on GPU modules only (tests/nn covers it over gloo)
         model = tdnn.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     report = tdnn.nn.patch(model)
-    model = model.to(device, memory_format=torch.channels_last)
+    # Channels-last weights suit the convolutions; FSDP2 shards contiguous parameters only (the
+    # activations stay channels-last either way: the input is).
+    model = model.to(device) if args.fsdp2 else model.to(device, memory_format=torch.channels_last)
     if rank == 0:
         print(f"{len(report.replaced)} modules run tritondnn; world size {dist.get_world_size()}")
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if args.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = list(model.layers)
+        size = -(-len(blocks) // 4)
+        for i in range(0, len(blocks), size):
+            fully_shard(blocks[i : i + size])
+        wrapped = fully_shard(model)
+    else:
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
 
     batch, size = (4, 16) if args.tiny else (64, 224)
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own shard of the data
@@ -56,7 +70,7 @@ def main() -> None:
         target = torch.randint(0, 10 if args.tiny else 1000, (batch,), generator=gen).to(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            loss = F.cross_entropy(ddp(x).float(), target)
+            loss = F.cross_entropy(wrapped(x).float(), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -513,7 +513,8 @@ def _default_shift(x: torch.Tensor) -> torch.Tensor:
     variance's digits however large the mean."""
     if x.shape[0] == 0 or x[0, 0].numel() == 0:
         return torch.zeros(x.shape[1], dtype=_stats_dtype(x), device=x.device)
-    return x[0].reshape(x.shape[1], -1)[:, 0].to(_stats_dtype(x)).contiguous()
+    first = x[(0, slice(None)) + (0,) * (x.dim() - 2)]  # x[0, :, 0, ...]: a view, copied once below
+    return first.to(_stats_dtype(x)).contiguous()
 
 
 def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

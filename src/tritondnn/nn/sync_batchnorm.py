@@ -38,15 +38,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, count = ctx.saved_tensors
         group = ctx.group
+
+        def all_reduce(t: torch.Tensor) -> None:
+            dist.all_reduce(t, group=group)
+
         dx, sum_dy, sum_dy_xhat = sync_batch_norm_backward(
-            dy,
-            x,
-            weight,
-            mean,
-            invstd,
-            count,
-            lambda t: dist.all_reduce(t, group=group),
-            ctx.needs_input_grad[0],
+            dy, x, weight, mean, invstd, count, all_reduce, ctx.needs_input_grad[0]
         )
         # Parameter gradients stay local, as torch's SyncBatchNorm: DDP averages them.
         dw = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None

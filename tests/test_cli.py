@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from helpers import ON_GPU
 
 
 def _cli(*args: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
@@ -53,6 +56,21 @@ def test_bench_match_selects_cases(tmp_path):
     assert result.returncode == 0, result.stderr
     cases = {r["case"] for r in json.loads(out.read_text())["rows"]}
     assert cases and all(c.startswith("copy ") for c in cases)
+
+
+def test_bench_launches_the_distributed_suite(tmp_path):
+    if ON_GPU and torch.cuda.device_count() < 2:
+        pytest.skip("one process per GPU: needs two GPUs")
+    out = tmp_path / "r.json"
+    result = _cli(
+        "bench", "distributed", "--quick", "--match", "sync_batch", "--json", str(out), OMP_NUM_THREADS="1"
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    shape = "64x256x56x56" if ON_GPU else "4x8x6x6"
+    assert {r["case"].split(" per rank")[0] for r in rows} == {f"sync_batch_norm {shape}"}
+    assert rows and all(r["suite"] == "distributed" and r["ms"] > 0 for r in rows)
+    assert "fwd+bwd" in result.stdout  # the ranks' table reaches the caller's output
 
 
 def test_bench_unknown_suite():

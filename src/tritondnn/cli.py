@@ -32,6 +32,12 @@ def _autotune(suites: Sequence[str], quick: bool) -> int:
     """Run each benchmark case's tritondnn call once in benchmark mode: the winners land in the cache."""
     import importlib
 
+    unknown = [s for s in suites if s not in bench.SUITES]
+    if unknown:  # the launched suites time whole training runs: nothing there to tune
+        print(
+            f"tritondnn autotune: unknown suite(s) {', '.join(unknown)}; available: {', '.join(bench.SUITES)}"
+        )
+        return 2
     with config.flags(benchmark=True):
         for suite in suites or bench.SUITES:
             module = importlib.import_module(f"{bench.__name__}.{suite}")
@@ -49,7 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="run every primitive, check it against PyTorch and time both")
     b = sub.add_parser("bench", help="benchmark tritondnn against its anchors")
     b.add_argument(
-        "suites", nargs="*", metavar="SUITE", help=f"any of {', '.join(bench.SUITES)} (default: all)"
+        "suites",
+        nargs="*",
+        metavar="SUITE",
+        help=f"any of {', '.join(bench.SUITES + bench.LAUNCHED)} (default: all but "
+        f"{', '.join(bench.LAUNCHED)}, which runs one process per GPU under torchrun)",
     )
     b.add_argument("--json", metavar="FILE", help="write the results JSON here")
     b.add_argument("--plot", metavar="FILE", help="write a chart (PNG) here")

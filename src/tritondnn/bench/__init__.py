@@ -38,6 +38,9 @@ SUITES = (
     "misc",
     "models",
 )
+# Suites that run in several processes (torchrun), launched from here: named explicitly, never
+# part of "all suites" (a machine with one GPU cannot run them).
+LAUNCHED = ("distributed",)
 
 
 @dataclasses.dataclass
@@ -173,15 +176,18 @@ def run(
 ) -> list[Row]:
     """Run the named suites (all when empty), only their cases whose name contains ``match``
     (case-insensitive) if given, and write the results JSON and chart if asked."""
-    unknown = [s for s in suites if s not in SUITES]
+    unknown = [s for s in suites if s not in SUITES + LAUNCHED]
     if unknown:
-        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES)}")
+        raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES + LAUNCHED)}")
     rows: list[Row] = []
     echo(f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     try:
         for suite in suites or SUITES:
             module = importlib.import_module(f"{__name__}.{suite}")
             echo(f"\n[{suite}]")
+            if suite in LAUNCHED:
+                rows += module.launch(quick=quick, match=match, echo=echo)
+                continue
             cases = module.cases(quick)
             if match:
                 cases = (c for c in cases if match.lower() in c.name.lower())

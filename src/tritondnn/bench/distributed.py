@@ -1,11 +1,12 @@
 """The ``distributed`` suite: data-parallel training over several processes, run under torchrun.
 
     torchrun --nproc_per_node=2 -m tritondnn.bench.distributed --json out/distributed.json
+    python -m tritondnn bench distributed --json out/distributed.json   # launches the above
 
 One process per GPU (NCCL); on a CPU, ``--tiny`` runs small models over gloo through Triton's
-interpreter. Unlike the other suites this one cannot run inside ``tritondnn bench``: every rank
-must make the same collective calls, so each timed call runs a fixed number of times on every
-rank (no adaptive repetition) and a case's time is the slowest rank's median.
+interpreter. Every rank must make the same collective calls, so each timed call runs a fixed
+number of times on every rank (no adaptive repetition) and a case's time is the slowest rank's
+median.
 
 Cases:
 
@@ -30,8 +31,12 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -336,7 +341,33 @@ def model_cases(
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry point.
+# Entry points: ``launch`` (what ``tritondnn bench distributed`` calls) and ``main`` (each rank).
+
+
+def launch(quick: bool = False, match: str | None = None, echo: Callable[[str], None] = print) -> list[Row]:
+    """Run the suite under torchrun from one process: one rank per GPU (two gloo ranks through
+    the interpreter on a CPU, with ``--tiny`` sizes); the ranks' output is shown as it comes, and
+    rank 0's rows are returned. ``quick``: fewer training steps."""
+    procs = 2 if INTERPRET else torch.cuda.device_count()
+    if procs < 2:
+        raise RuntimeError(f"the distributed suite needs two GPUs or more; this machine has {procs}")
+    with tempfile.TemporaryDirectory() as folder:
+        results = Path(folder) / "distributed.json"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+            "-m", __name__, "--json", str(results),
+        ]  # fmt: skip
+        command += ["--match", match] if match else []
+        command += ["--tiny"] if INTERPRET else []
+        command += ["--steps", "6", "--warmup", "2"] if quick or INTERPRET else []
+        done = subprocess.run(command)
+        if not results.exists():
+            raise RuntimeError(
+                f"the distributed suite failed (exit {done.returncode}) before writing results"
+            )
+        if done.returncode:  # a loss check failed: the rows stand, the run says so
+            print(f"the distributed suite exited with {done.returncode}: see its loss checks above")
+        return [Row(**row) for row in json.loads(results.read_text())["rows"]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

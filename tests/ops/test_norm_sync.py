@@ -69,6 +69,7 @@ CASES = [
     ((4, 4), torch.float32, True),
     ((0, 6), torch.float32, True),  # a rank with no rows joins both collectives
     ((2, 3, 4), torch.float32, True),
+    ((3, 5), torch.float64, False),  # fp64 statistics before and after the fp32 exchange
 ]
 if ON_GPU:  # the interpreter's bf16 is not worth its time here; the kernels are the same
     CASES.append(((5, 3), torch.bfloat16, True))

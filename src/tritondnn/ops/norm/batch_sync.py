@@ -35,17 +35,18 @@ BLOCK_C = 128
 def _moments_kernel(part_ptr, shift_ptr, out_ptr, count, n_channels, splits, BLOCK: tl.constexpr):
     """This rank's (count, mean, M2) per channel into rows 0, 1, 2 of the (3, C) buffer ``out``,
     from the (2, splits, C) partial sums S1, S2 of x - shift: mean = shift + S1 / n and
-    M2 = S2 - S1^2 / n."""
+    M2 = S2 - S1^2 / n. All buffers in the statistics dtype (fp32; fp64 for fp64 inputs)."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cm = c < n_channels
-    s1 = tl.zeros([BLOCK], tl.float32)
-    s2 = tl.zeros([BLOCK], tl.float32)
+    acc = part_ptr.dtype.element_ty
+    s1 = tl.zeros([BLOCK], acc)
+    s2 = tl.zeros([BLOCK], acc)
     for k in range(0, splits):  # a fixed order: the same bits on every run
         s1 += tl.load(part_ptr + k * n_channels + c, mask=cm, other=0.0)
         s2 += tl.load(part_ptr + (splits + k) * n_channels + c, mask=cm, other=0.0)
     centred = s1 / count
     shift = tl.load(shift_ptr + c, mask=cm, other=0.0)
-    tl.store(out_ptr + c, tl.full([BLOCK], count, tl.float32), mask=cm)
+    tl.store(out_ptr + c, tl.full([BLOCK], count, acc), mask=cm)
     tl.store(out_ptr + n_channels + c, shift + centred, mask=cm)
     tl.store(out_ptr + 2 * n_channels + c, tl.maximum(s2 - s1 * centred, 0.0), mask=cm)
 
@@ -61,12 +62,13 @@ def _combine_kernel(
     ``gathered``, in rank order. Writes what the finalize + apply pass reads for statistics
     already reduced — partial sums (2, 1, C) = (0, biased variance) about the shift ``mean``,
     with a count of 1 — and the global count per channel; updates the running statistics
-    (unbiased variance, as PyTorch)."""
+    (unbiased variance, as PyTorch). Arithmetic in ``gathered``'s dtype."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cm = c < n_channels
-    n = tl.zeros([BLOCK], tl.float32)
-    mean = tl.zeros([BLOCK], tl.float32)
-    m2 = tl.zeros([BLOCK], tl.float32)
+    acc = gathered_ptr.dtype.element_ty
+    n = tl.zeros([BLOCK], acc)
+    mean = tl.zeros([BLOCK], acc)
+    m2 = tl.zeros([BLOCK], acc)
     for r in range(0, world):
         at = gathered_ptr + r * 3 * n_channels + c
         n_r = tl.load(at, mask=cm, other=0.0)
@@ -79,14 +81,14 @@ def _combine_kernel(
         m2 += m2_r + delta * delta * n * weight_r
         n = total
     var = m2 / n
-    tl.store(part_ptr + c, tl.zeros([BLOCK], tl.float32), mask=cm)
+    tl.store(part_ptr + c, tl.zeros([BLOCK], acc), mask=cm)
     tl.store(part_ptr + n_channels + c, var, mask=cm)
     tl.store(mean_ptr + c, mean, mask=cm)
     tl.store(count_ptr + c, n, mask=cm)
     if UPDATE_RUNNING:
         unbiased = m2 / tl.maximum(n - 1.0, 1.0)
-        rm = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), tl.float32)
-        rv = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), tl.float32)
+        rm = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), acc)
+        rv = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), acc)
         rm = (1.0 - momentum) * rm + momentum * mean
         rv = (1.0 - momentum) * rv + momentum * unbiased
         tl.store(rmean_ptr + c, convert(rm, rmean_ptr.dtype.element_ty), mask=cm)
@@ -98,7 +100,7 @@ _LAUNCHERS: dict[tuple, Callable[..., None]] = {}
 
 def _moments(part: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, count: int) -> None:
     channels, splits = part.shape[2], part.shape[1]
-    key = ("moments", channels, splits)
+    key = ("moments", channels, splits, part.dtype)
     run = _LAUNCHERS.get(key)
     if run is None:
         run = _LAUNCHERS[key] = launcher(
@@ -112,7 +114,7 @@ def _combine(gathered, running_mean, running_var, part, mean, count, momentum: f
     update = running_mean is not None
     rm = running_mean if update else mean  # placeholders are never read
     rv = running_var if update else mean
-    key = ("combine", world, channels, update, rm.dtype, rv.dtype)
+    key = ("combine", world, channels, update, gathered.dtype, rm.dtype, rv.dtype)
     run = _LAUNCHERS.get(key)
     if run is None:
         run = _LAUNCHERS[key] = launcher(
@@ -133,7 +135,8 @@ def sync_batch_norm_forward(
     all_gather: Callable[[torch.Tensor, torch.Tensor], object],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training batch norm over the batches of ``world`` processes: ``(y, mean, invstd, count)``,
-    the last three fp32 per channel (``count`` the global number of values per channel).
+    the last three per channel in the statistics dtype (fp32; fp64 for fp64 input), ``count``
+    the global number of values per channel.
 
     ``all_gather(out, local)`` must fill the (world * 3, C) ``out`` with every rank's (3, C)
     ``local`` in rank order (``torch.distributed.all_gather_into_tensor``). The running
@@ -144,23 +147,21 @@ def sync_batch_norm_forward(
     channels = x.shape[1]
     rows = x.numel() // channels if channels else 0
     stats = _stats_dtype(x)
-    local = x.new_empty((3, channels), dtype=torch.float32)
-    shift = None
+    local = x.new_empty((3, channels), dtype=stats)
     if rows:
-        shift = _default_shift(x).float()
-        _moments(_partial_stats(x, shift).float(), shift, local, rows)
+        shift = _default_shift(x)
+        _moments(_partial_stats(x, shift), shift, local, rows)
     else:
         local.zero_()
-    gathered = x.new_empty((world * 3, channels), dtype=torch.float32)  # the ranks' buffers stacked
+    gathered = x.new_empty((world * 3, channels), dtype=stats)  # the ranks' buffers stacked
     all_gather(gathered, local)
-    part = x.new_empty((2, 1, channels), dtype=torch.float32)
-    centre = x.new_empty(channels, dtype=torch.float32)
+    part = x.new_empty((2, 1, channels), dtype=stats)
+    centre = x.new_empty(channels, dtype=stats)
     count = torch.empty_like(centre)
     _combine(gathered, running_mean, running_var, part, centre, count, momentum)
     mean = x.new_empty(channels, dtype=stats)
     invstd = torch.empty_like(mean)
     if rows:
-        part, centre = part.to(stats), centre.to(stats)
         _finalize_apply(
             x, part, centre, weight, bias, None, None, y, mean, invstd, 1, True, momentum, eps,
             NO_ACTIVATION, 0.0, 0.0,

@@ -149,14 +149,20 @@ class Table:
             )
 
 
-def run_cases(suite: str, cases: Iterable[Case], table: Table, rows: list[Row] | None = None) -> list[Row]:
-    """Time every provider of every case, appending to ``rows`` (returned) case by case; each
-    case's tensors are freed before the next is made."""
+def run_cases(
+    suite: str,
+    cases: Iterable[Case],
+    table: Table,
+    rows: list[Row] | None = None,
+    timer: Callable[[Case, Callable[[], object]], float] = _time,
+) -> list[Row]:
+    """Time every provider of every case with ``timer(case, fn)`` (milliseconds), appending to
+    ``rows`` (returned) case by case; each case's tensors are freed before the next is made."""
     rows = [] if rows is None else rows
     for case in cases:
         measured = []
         for provider, fn in case.providers.items():
-            ms = _time(case, fn)
+            ms = timer(case, fn)
             gbps = case.bytes / ms / 1e6 if case.bytes and not case.host else None
             tflops = case.flops / ms / 1e9 if case.flops and not case.host else None
             measured.append(Row(suite, case.name, provider, ms, tflops, gbps))

@@ -107,7 +107,7 @@ class _Backward:
             # The gradient in the memory order of the B the caller has: a transposed weight's (or
             # a column-major B's) as (dpre^T A)^T, so it lands in the weight's own layout
             # (autograd copies a gradient whose strides differ from its parameter's).
-            if self.transposed or (b.ndim == 2 and b.stride(0) == 1 and b.stride(1) != 1):
+            if _grad_transposed(b, self.transposed):
                 self.db_order = "t" if self.transposed else "tt"
                 operands = (d.mT, a)
             else:
@@ -190,7 +190,7 @@ class _MatmulFunction(torch.autograd.Function):
                 shape = x.shape if rows else None
                 da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, a.dtype, shape)[0]
             if need_b:  # in B's memory order, as in _Backward
-                if transposed or (b.ndim == 2 and b.stride(0) == 1 and b.stride(1) != 1):
+                if _grad_transposed(b, transposed):
                     db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, b.dtype)[0]
                     db = db if transposed else db.mT
                 else:
@@ -200,6 +200,12 @@ class _MatmulFunction(torch.autograd.Function):
         if need_residual:
             dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
         return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 11
+
+
+def _grad_transposed(b: torch.Tensor, transposed: bool) -> bool:
+    """Whether B's gradient is computed as (dpre^T A)^T: for a weight read transposed, or a
+    column-major B, so that it lands in the memory order of the tensor the caller has."""
+    return transposed or (b.ndim == 2 and b.stride(0) == 1 and b.stride(1) != 1)
 
 
 def _summed(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:

@@ -184,24 +184,24 @@ def sync_batch_norm_backward(
     data parallelism averages them). ``all_reduce(t)`` must sum ``t`` over the ranks in place."""
     channels = input.shape[1]
     local = input.new_empty((2, channels), dtype=_stats_dtype(input))
+    sum_dy, sum_dy_xhat = local.unbind(0)
     x = dx = None
     if input.numel():
         x, dx = dense_ncs(input, torch.empty_like(input))
         dy = in_layout(grad_output, x)
-        w = weight if weight is not None else x
+        w = weight if weight is not None else x  # absent tensors are passed as x and never read
         args = (dy, x, mean, invstd, w, x, 0.0, 0.0)
         part = _plan("backward_reduce", x, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
-        sum_partials(part, local[0], local[1])
+        sum_partials(part, sum_dy, sum_dy_xhat)
     else:
         local.zero_()
     # Each rank's sums over the global count: their all-reduced sum is what dx needs.
     means = local / count
     all_reduce(means)
     if not need_input_grad:
-        return None, local[0], local[1]
+        return None, sum_dy, sum_dy_xhat
     if x is None:
-        return torch.empty_like(input), local[0], local[1]
-    w = weight if weight is not None else x
+        return torch.empty_like(input), sum_dy, sum_dy_xhat
     args = (dy, x, mean, invstd, w, x, means[0], means[1], dx, 1.0, 0.0, 0.0)
     _plan("backward_apply", dx, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
-    return dx, local[0], local[1]
+    return dx, sum_dy, sum_dy_xhat

@@ -268,3 +268,117 @@ def test_torch_compile_fullgraph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_large(dtype):
     _check("gelu", randn(4096, 4097, dtype=dtype, scale=3.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The eager fast path: a call whose key (kind, parameters, in place, autograd, type, shape,
+# strides, dtype, config version) was checked before skips the check and runs a prepared plan.
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """A fresh fast-path cache, and how many calls went through the argument check."""
+    monkeypatch.setattr(act, "_eager", {})
+    counts = {"checks": 0}
+    check = act.check_tensor
+
+    def counting(*args, **kwargs):
+        counts["checks"] += 1
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(act, "check_tensor", counting)
+    return counts
+
+
+INPLACE = {
+    "relu": (tdnn.relu, F.relu),
+    "leaky_relu": (tdnn.leaky_relu, F.leaky_relu),  # saves the output: x > 0 read from y
+    "leaky_relu -0.2": (
+        partial(tdnn.leaky_relu, negative_slope=-0.2),
+        partial(F.leaky_relu, negative_slope=-0.2),
+    ),
+    "silu": (tdnn.silu, F.silu),  # saves a copy of the input
+    "elu": (tdnn.elu, F.elu),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", list(INPLACE))
+def test_repeated_calls_match_torch(name, inplace, grad, counted):
+    """Three calls of one key on fresh data, channels_last: values (in place: into the input)
+    and gradients against float64 and PyTorch; only the first call is checked."""
+    fn, ref = INPLACE[name]
+    for _ in range(3):
+        x = randn(2, 6, 5, 3, scale=3.0).to(memory_format=torch.channels_last)
+        want = ref(x.double())
+        if not grad:
+            inp = x.clone()
+            out = fn(inp, inplace=inplace)
+            assert (out is inp) == inplace and out.stride() == x.stride()
+            assert_close(out, want, ref(x))
+            continue
+        dy = randn(2, 6, 5, 3)
+        leaf = x.detach().requires_grad_(True)
+        inp = leaf * 1.0  # a non-leaf: an in-place op on it is recorded
+        out = fn(inp, inplace=inplace)
+        assert (out is inp) == inplace
+        (dx,) = torch.autograd.grad(out, leaf, dy)
+        same = x.detach().requires_grad_(True)
+        (dsame,) = torch.autograd.grad(ref(same), same, dy)  # (in place with a negative slope: refused)
+        wide = x.double().requires_grad_(True)
+        (dwide,) = torch.autograd.grad(ref(wide), wide, dy.double())
+        assert_close(out.detach(), want, ref(x))
+        assert_close(dx, dwide, dsame)
+    assert counted["checks"] == 1 and len(act._eager) == 1
+
+
+def test_gradients_of_other_layouts_on_one_key(counted):
+    """The backward plan follows the incoming gradient's strides, call by call."""
+    for dy_layout in ("contiguous", "transposed", "contiguous", "sliced"):
+        x = randn(7, 9, scale=3.0).requires_grad_(True)
+        dy = LAYOUTS[dy_layout](randn(7, 9))
+        (dx,) = torch.autograd.grad(tdnn.gelu(x), x, dy)
+        x64 = x.detach().double().requires_grad_(True)
+        (dref,) = torch.autograd.grad(F.gelu(x64), x64, dy.double())
+        assert_close(dx, dref, torch.autograd.grad(F.gelu(x), x, dy)[0], dy_layout)
+    assert counted["checks"] == 1
+
+
+def test_config_layout_and_dtype_take_new_keys(counted):
+    def call_and_check(x):
+        assert_close(tdnn.relu(x), F.relu(x.double()), F.relu(x))
+
+    call_and_check(randn(5, 8))
+    call_and_check(randn(5, 8))
+    assert counted["checks"] == 1
+    with tdnn.config.flags(deterministic=not tdnn.config.deterministic):
+        call_and_check(randn(5, 8))
+    tdnn.config.invalidate_plans()
+    call_and_check(randn(5, 8))
+    call_and_check(randn(8, 5).t())
+    call_and_check(randn(5, 8, dtype=torch.float16))
+    call_and_check(randn(5, 8).requires_grad_(True))
+    assert counted["checks"] == 6 and len(act._eager) == 6
+
+
+def test_bad_input_on_a_cached_key_still_raises(counted):
+    """What the check looks at is in the key: a call the check would refuse never matches a
+    cached key. An in-place call on a leaf that requires grad is refused by autograd, cached
+    key or not."""
+    tdnn.relu(randn(4, 3), inplace=True)
+    tdnn.relu(randn(4, 3).requires_grad_(True) * 1.0, inplace=True)
+    assert counted["checks"] == 2
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        tdnn.relu(torch.arange(12, device=DEVICE).reshape(4, 3), inplace=True)
+    with pytest.raises(ValueError, match="is on device 'meta'"):
+        tdnn.relu(torch.empty(4, 3, device="meta"), inplace=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        tdnn.relu(randn(4, 3).requires_grad_(True), inplace=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        tdnn.relu(randn(4, 3).requires_grad_(True), inplace=True)
+    # A parameter in place without grad: its own key, the op's copy path, the same values.
+    p = torch.nn.Parameter(randn(4, 3), requires_grad=False)
+    want = F.relu(p.detach().double())
+    assert tdnn.relu(p, inplace=True) is p
+    assert_close(p.detach(), want)

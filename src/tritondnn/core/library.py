@@ -64,3 +64,17 @@ def custom_op(
         return call  # type: ignore[return-value]
 
     return decorate
+
+
+# torch.autograd.Function.apply's Python wrapper looks for functorch transforms and unwraps dead
+# functorch wrappers on every call (~10 us of host time), then calls the C implementation; with no
+# transform active the fast paths call that directly.
+functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
+def raw_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` without its Python wrapper, for calls made while ``functorch_active()`` is
+    False (``cls.apply`` itself where this torch lacks the C entry point). ``cls`` must not define
+    ``setup_context`` (the wrapper binds default arguments for those)."""
+    descriptor = vars(torch._C._FunctionBase).get("apply") if hasattr(torch._C, "_FunctionBase") else None
+    return descriptor.__get__(None, cls) if descriptor is not None else cls.apply

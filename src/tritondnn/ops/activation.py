@@ -25,7 +25,7 @@ from ..core.checks import check_choice, check_float, check_like, check_tensor
 from ..core.config import config
 from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
-from ..core.library import custom_op, plain_eager
+from ..core.library import custom_op, eager_tensor, functorch_active, raw_apply
 from ..core.strides import MAX_DIMS, collapse, offset4, pad_dims, unravel4
 
 
@@ -420,24 +420,23 @@ def _plan(
     return choice.engine.bind(problem, choice.config)
 
 
-def _launch_forward(x: torch.Tensor, y: torch.Tensor, kind: int, p0: float, p1: float) -> None:
+def _forward_plan(x: torch.Tensor, y: torch.Tensor, kind: int) -> Callable[..., None]:
     # y is x (in place) or empty_like(x), whose strides follow from x's: x's describe the problem.
     key = (kind, y is x, config.version, x.shape, x.stride(), x.dtype)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(False, kind, False, (x, y))
-    plan(x, y, p0, p1)
+    return plan
 
 
-def _launch_backward(
-    grad: torch.Tensor,
-    saved: torch.Tensor,
-    dx: torch.Tensor,
-    kind: int,
-    p0: float,
-    p1: float,
-    saved_output: bool,
-) -> None:
+def _launch_forward(x: torch.Tensor, y: torch.Tensor, kind: int, p0: float, p1: float) -> None:
+    _forward_plan(x, y, kind)(x, y, p0, p1)
+
+
+def _backward_plan(
+    grad: torch.Tensor, saved: torch.Tensor, dx: torch.Tensor, kind: int, saved_output: bool
+) -> Callable[..., None]:
+    # dx is empty_like(saved): saved's strides and grad's describe the problem.
     key = (
         kind,
         saved_output,
@@ -451,7 +450,19 @@ def _launch_backward(
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(True, kind, saved_output, (grad, saved, dx))
-    plan(grad, saved, dx, p0, p1)
+    return plan
+
+
+def _launch_backward(
+    grad: torch.Tensor,
+    saved: torch.Tensor,
+    dx: torch.Tensor,
+    kind: int,
+    p0: float,
+    p1: float,
+    saved_output: bool,
+) -> None:
+    _backward_plan(grad, saved, dx, kind, saved_output)(grad, saved, dx, p0, p1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,22 +531,125 @@ class _ActivationFunction(torch.autograd.Function):
         return _backward(grad, saved, kind, p0, p1, saved_output), None, None, None, None
 
 
+class _EagerActivation(torch.autograd.Function):
+    """``_ActivationFunction`` for the eager fast path: ``program`` (see ``_eager_program``) holds
+    the bound forward plan and the backward's parameters."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, program: tuple) -> torch.Tensor:
+        run, inplace, saved_output, _ = program
+        if inplace:
+            saved = None if saved_output else x.clone()
+            run(x, x)
+            ctx.mark_dirty(x)
+            y = x
+        else:
+            y = torch.empty_like(x)
+            run(x, y)
+            saved = x
+        ctx.save_for_backward(y if saved_output else saved)
+        ctx.program = program
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        (saved,) = ctx.saved_tensors
+        return ctx.program[3](grad, saved), None
+
+
+_apply_eager = raw_apply(_EagerActivation)
+
+
+def _eager_program(
+    x: torch.Tensor, kind: int, p0: float, p1: float, inplace: bool, grad: bool
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``fast(x) -> y`` for later calls of a validated call's key (see ``_apply``): the forward
+    plan bound here, through ``_EagerActivation`` when autograd records the call; None for empty
+    tensors and for in-place calls on a tensor subclass (which take the op's copy path)."""
+    if not x.numel() or (inplace and type(x) is not torch.Tensor):
+        return None
+    plan = _forward_plan(x, x if inplace else torch.empty_like(x), kind)
+    if not grad:
+        if inplace:
+
+            def fast(x: torch.Tensor) -> torch.Tensor:
+                plan(x, x, p0, p1)
+                return x
+
+        else:
+
+            def fast(x: torch.Tensor) -> torch.Tensor:
+                y = torch.empty_like(x)
+                plan(x, y, p0, p1)
+                return y
+
+        return fast
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> None:
+        plan(x, y, p0, p1)
+
+    saved_output = saves_output(kind, p0)
+    last: list = [None, None, None]  # the backward plan, for (gradient strides, config version)
+
+    def backward(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        dx = torch.empty_like(saved)
+        strides = grad.stride()
+        if last[0] != strides or last[1] != config.version or grad.dtype != saved.dtype:
+            plan = _backward_plan(grad, saved, dx, kind, saved_output)
+            if grad.dtype != saved.dtype:  # not seen from autograd; not kept
+                plan(grad, saved, dx, p0, p1)
+                return dx
+            last[:] = strides, config.version, plan
+        last[2](grad, saved, dx, p0, p1)
+        return dx
+
+    program = (run, inplace, saved_output, backward)
+
+    def fast_grad(x: torch.Tensor) -> torch.Tensor:
+        return _apply_eager(x, program)
+
+    return fast_grad
+
+
+# Eager calls seen before run ``_eager_program``'s ``fast``, keyed by the call's kind and
+# parameters, whether it is in place and recorded by autograd, the input's type, shape, strides
+# and dtype, and the config version: everything the argument check and the plans depend on.
+_eager: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
 def _apply(
     op: str, input: torch.Tensor, kind: int, p0: float = 0.0, p1: float = 0.0, inplace: bool = False
 ) -> torch.Tensor:
-    if not inplace and plain_eager(input):
-        # A problem seen before was validated then: one lookup, one allocation, one launch.
-        plan = _plans.get((kind, False, config.version, input.shape, input.stride(), input.dtype))
-        if plan is not None:
-            out = torch.empty_like(input)
-            plan(input, out, p0, p1)
-            return out
+    key = None
+    if eager_tensor(input) and not functorch_active():
+        grad = input.requires_grad and torch.is_grad_enabled()
+        key = (
+            kind,
+            p0,
+            p1,
+            inplace,
+            grad,
+            type(input),
+            config.version,
+            input.shape,
+            input.stride(),
+            input.dtype,
+        )
+        fast = _eager.get(key)
+        if fast is not None:
+            return fast(input)
     check_tensor(op, "input", input)
     if input.requires_grad and torch.is_grad_enabled():
-        return _ActivationFunction.apply(input, kind, p0, p1, inplace)
-    if inplace:
-        return _forward_inplace(input, kind, p0, p1)
-    return _forward(input, kind, p0, p1)
+        y = _ActivationFunction.apply(input, kind, p0, p1, inplace)
+    elif inplace:
+        y = _forward_inplace(input, kind, p0, p1)
+    else:
+        y = _forward(input, kind, p0, p1)
+    if key is not None:
+        fast = _eager_program(input, kind, p0, p1, inplace, key[4])
+        if fast is not None:
+            _eager[key] = fast
+    return y
 
 
 # ---------------------------------------------------------------------------------------------

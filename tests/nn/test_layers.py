@@ -169,6 +169,76 @@ def test_batch_norm_running_statistics_over_steps():
     torch.testing.assert_close(ours.eval()(x), theirs.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batch_norm_training_steps_then_eval(dtype, momentum):
+    """Repeated steps of one shape (the functional op's cached path after the first): each step's
+    output and gradients against a float64 copy, the buffers after each; then eval steps, with
+    gradients still flowing to the input and the parameters."""
+    torch.manual_seed(0)
+    theirs = nn.BatchNorm2d(6, momentum=momentum).to(DEVICE)
+    ours = _as_ours(theirs)
+    wide = copy.deepcopy(theirs).double()
+    for step in range(4):
+        if step == 3:
+            for m in (ours, theirs, wide):
+                m.eval()
+        x = (randn(3, 6, 4, 5) * 3 + 1).to(dtype=dtype, memory_format=torch.channels_last)
+        got, dgot = _run(ours, x, step)
+        same, dsame = _run(theirs, x, step)
+        ref, dref = _run(wide, x.double(), step)
+        assert got.stride() == x.stride()
+        assert_close(got, ref, same, f"step {step} output")
+        for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+            assert_close(a, b, c, f"step {step} gradient {i}")
+        for name in ("running_mean", "running_var"):
+            a, b, c = (getattr(m, name) for m in (ours, wide, theirs))
+            assert_close(a, b, c, f"step {step} {name}")
+        assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == min(step + 1, 3)
+
+
+def test_batch_norm_parametrized_or_replaced_weight():
+    """A parametrization (a property on the module's class) and a weight deleted then set as a
+    plain attribute: the module reads them as attributes, as torch's forward does."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    theirs = nn.BatchNorm2d(3).to(DEVICE)
+    ours = _as_ours(theirs)
+    for m in (theirs, ours):
+        parametrize.register_parametrization(m, "weight", Double())
+    x = randn(2, 3, 4, 4)
+    for _ in range(2):
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    for m in (theirs, ours):
+        parametrize.remove_parametrizations(m, "weight")
+        del m.bias
+        m.bias = torch.full((3,), 5.0, device=DEVICE)
+    for _ in range(2):
+        y = ours(x)
+        torch.testing.assert_close(y, theirs(x), rtol=1e-5, atol=1e-5)
+    assert abs(y.mean().item() - 5.0) < 1e-4
+
+
+def test_relu_in_place_steps():
+    """ReLU(inplace=True) called step after step on one shape: it writes into its input and
+    returns it, and the gradient is torch's."""
+    relu = tnn.ReLU(inplace=True)
+    for _ in range(3):
+        leaf = randn(2, 5, 3, 3).to(memory_format=torch.channels_last).requires_grad_(True)
+        dy = randn(2, 5, 3, 3)
+        h = leaf * 1.0
+        y = relu(h)
+        assert y is h
+        (dx,) = torch.autograd.grad(y, leaf, dy)
+        torch.testing.assert_close(y.detach(), torch.relu(leaf.detach()))
+        torch.testing.assert_close(dx, dy * (leaf.detach() > 0))
+
+
 def test_unsupported_problem_falls_back_to_torch(monkeypatch):
     """An engine-less problem runs torch's forward with a warning, once per reason."""
 

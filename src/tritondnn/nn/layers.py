@@ -167,21 +167,44 @@ class Linear(nn.Linear):
 # Normalization.
 
 
+_BN_STATE = ("running_mean", "running_var", "weight", "bias", "num_batches_tracked")
+_bn_plain_state: dict[type, bool] = {}
+
+
+def _bn_state(module: nn.Module) -> tuple:
+    """``module``'s (running_mean, running_var, weight, bias, num_batches_tracked): read from its
+    parameter and buffer dicts, where attribute lookup finds them through nn.Module.__getattr__
+    (about 1.5 us each), unless its class defines one of the names (a parametrization's property)
+    or a dict lacks one (deleted, or set as a plain attribute since): then as attributes."""
+    cls = type(module)
+    plain = _bn_plain_state.get(cls)
+    if plain is None:
+        plain = _bn_plain_state[cls] = not any(hasattr(cls, name) for name in _BN_STATE)
+    if plain:
+        p, b = module._parameters, module._buffers
+        try:
+            return b["running_mean"], b["running_var"], p["weight"], p["bias"], b["num_batches_tracked"]
+        except KeyError:
+            pass
+    return tuple(getattr(module, name) for name in _BN_STATE)
+
+
 class _BatchNormMixin:
     """torch's ``_BatchNorm.forward`` (momentum None = cumulative average, num_batches_tracked,
     running statistics used in eval) with ``tdnn.batch_norm``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
+        running_mean, running_var, weight, bias, batches = _bn_state(self)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if self.training and self.track_running_stats and batches is not None:
+            batches.add_(1)
+            factor = 1.0 / float(batches) if self.momentum is None else self.momentum
+        batch_stats = self.training or (running_mean is None and running_var is None)
         use_running = not self.training or self.track_running_stats
-        rm = self.running_mean if use_running else None
-        rv = self.running_var if use_running else None
-        args = (input, rm, rv, self.weight, self.bias, batch_stats, factor, self.eps)
+        rm = running_mean if use_running else None
+        rv = running_var if use_running else None
+        args = (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
         return run_or_fallback(self, input, lambda: ops.norm.batch_norm(*args), lambda: F.batch_norm(*args))
 
 

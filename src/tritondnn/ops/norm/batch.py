@@ -15,6 +15,7 @@ are reduced in two stages: each program's partial sums, then a fixed-order sum (
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,11 +25,18 @@ import triton.language as tl
 
 from ...core.backend import multiprocessor_count
 from ...core.checks import check_float, check_like, check_tensor
+from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
-from ...core.library import custom_op
-from ...core.numerics import convert
-from ..activation import activation_gradient, activation_reference, activation_value
+from ...core.library import custom_op, eager_tensor, functorch_active, raw_apply
+from ..activation import activation_reference
+from .batch_kernels import (
+    _apply_kernel,
+    _backward_apply_kernel,
+    _backward_reduce_kernel,
+    _finalize_kernel,
+    _stats_kernel,
+)
 from .common import (
     NO_ACTIVATION,
     activation_kind,
@@ -74,224 +82,7 @@ def batch_norm_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Kernels. Element (row r = n * S + s, channel c) sits at n * stride_n + s * stride_s +
-# c * stride_c. Unused tensors are passed as x and never read.
-
-
-@triton.jit
-def _tile(r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-          INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-    """Offsets and mask of the [BLOCK_R, BLOCK_C] tile at (row r0, channel c0), and its channels."""
-    r = r0 + tl.arange(0, BLOCK_R)[:, None]
-    if INDEX_64:
-        r = r.to(tl.int64)
-    c = c0 + tl.arange(0, BLOCK_C)[None, :]
-    offsets = (r // spatial) * stride_n + (r % spatial) * stride_s + c * stride_c
-    return offsets, (r < n_rows) & (c < n_channels), c
-
-
-@triton.jit
-def _reversed(n_channels, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(first row, first channel) of this program's tile in a 1-D grid that visits the row blocks
-    from the last to the first, every channel block of a row block together: the reductions
-    before it swept the rows forwards, so the last rows they read are still in L2."""
-    c_blocks = tl.cdiv(n_channels, BLOCK_C)
-    pid = tl.program_id(0)
-    row_block = tl.num_programs(0) // c_blocks - 1 - pid // c_blocks
-    return row_block * BLOCK_R, (pid % c_blocks) * BLOCK_C
-
-
-@triton.jit
-def _stats_kernel(
-    x_ptr, shift_ptr, part_ptr,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-    ACC: tl.constexpr, SHIFT_FROM_X: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Per-channel sums of (x - shift) and (x - shift)**2 over this program's rows, fp32, into
-    rows ``split`` and ``splits + split`` of the (2, splits, C) buffer ``part``. The shift is
-    x[0, c, 0] (SHIFT_FROM_X) or ``shift[c]``. Grid: (channel blocks, splits).
-
-    Split k takes row blocks k, k + splits, ...: the programs sweep the tensor together from its
-    first rows to its last, which leaves the last rows in L2 for the apply pass (it starts there)."""
-    c0 = tl.program_id(0) * BLOCK_C
-    split = tl.program_id(1)
-    cols = c0 + tl.arange(0, BLOCK_C)
-    shift_at = shift_ptr + cols * stride_c if SHIFT_FROM_X else shift_ptr + cols
-    shift = convert(tl.load(shift_at, mask=cols < n_channels, other=0.0), ACC)[None, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    acc_sq = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    for r0 in range(split * BLOCK_R, n_rows, tl.num_programs(1) * BLOCK_R):
-        offs, mask, _ = _tile(
-            r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
-        )
-        d = tl.where(mask, convert(tl.load(x_ptr + offs, mask=mask, other=0.0), ACC) - shift, 0.0)
-        acc += d
-        acc_sq += d * d
-    out = part_ptr + split * n_channels + cols
-    tl.store(out, tl.sum(acc, 0), mask=cols < n_channels)
-    tl.store(out + tl.num_programs(1) * n_channels, tl.sum(acc_sq, 0), mask=cols < n_channels)
-
-
-@triton.jit
-def _finalize_kernel(
-    part_ptr, shift_ptr, w_ptr, rmean_ptr, rvar_ptr, mean_ptr, rstd_ptr, scale_ptr,
-    count, eps, momentum,
-    n_channels, splits, shift_stride,
-    ACC: tl.constexpr, TRAINING: tl.constexpr, UPDATE_RUNNING: tl.constexpr, HAS_W: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Per channel: mean and 1/std (from the (2, splits, C) partials when TRAINING, from the running
-    statistics otherwise), the running-statistic update (unbiased variance, as PyTorch), and
-    for the apply kernel scale = w / std (row 0 of the (2, C) scale buffer) and mean_lo, the part
-    of the mean that the fp32 ``mean`` rounded away (row 1): x - mean is then taken as
-    (x - mean) - mean_lo, exact to fp32 whatever the mean's size."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < n_channels
-    if TRAINING:
-        total = tl.zeros([BLOCK_C], ACC)
-        total_sq = tl.zeros([BLOCK_C], ACC)
-        for k in range(0, splits):  # a fixed order: the same bits on every run
-            total += tl.load(part_ptr + k * n_channels + c, mask=cm, other=0.0)
-            total_sq += tl.load(part_ptr + (splits + k) * n_channels + c, mask=cm, other=0.0)
-        centred = total / count
-        var = tl.maximum(total_sq / count - centred * centred, 0.0)
-        shift = convert(tl.load(shift_ptr + c * shift_stride, mask=cm, other=0.0), ACC)
-        mean = shift + centred
-        mean_lo = (shift - mean) + centred
-        if UPDATE_RUNNING:
-            rm = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
-            rv = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
-            unbiased = var * (count / tl.maximum(count - 1.0, 1.0))
-            tl.store(
-                rmean_ptr + c,
-                convert((1.0 - momentum) * rm + momentum * mean, rmean_ptr.dtype.element_ty),
-                mask=cm,
-            )
-            tl.store(
-                rvar_ptr + c,
-                convert((1.0 - momentum) * rv + momentum * unbiased, rvar_ptr.dtype.element_ty),
-                mask=cm,
-            )
-    else:
-        mean = convert(tl.load(rmean_ptr + c, mask=cm, other=0.0), ACC)
-        var = convert(tl.load(rvar_ptr + c, mask=cm, other=0.0), ACC)
-        mean_lo = tl.zeros([BLOCK_C], ACC)
-    rstd = 1.0 / tl.sqrt(var + eps)
-    scale = rstd
-    if HAS_W:
-        scale = scale * convert(tl.load(w_ptr + c, mask=cm, other=0.0), ACC)
-    tl.store(mean_ptr + c, mean, mask=cm)
-    tl.store(rstd_ptr + c, rstd, mask=cm)
-    tl.store(scale_ptr + c, scale, mask=cm)
-    tl.store(scale_ptr + n_channels + c, mean_lo, mask=cm)
-
-
-@triton.jit
-def _apply_kernel(
-    x_ptr, mean_ptr, scale_ptr, b_ptr, y_ptr,
-    act_p0, act_p1,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-    HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """y = act((x - mean[c] - mean_lo[c]) * scale[c] + b[c]) with scale and mean_lo the rows of
-    the (2, C) buffer the finalize kernel wrote. Subtracting the mean first keeps the digits a
-    folded x * scale + (b - mean * scale) would cancel away for large means. Grid: (row blocks x
-    channel blocks,), see _reversed."""
-    r0, c0 = _reversed(n_channels, BLOCK_R, BLOCK_C)
-    offs, mask, c = _tile(
-        r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
-    )
-    mean = tl.load(mean_ptr + c, mask=c < n_channels, other=0.0)
-    scale = tl.load(scale_ptr + c, mask=c < n_channels, other=0.0)
-    mean_lo = tl.load(scale_ptr + n_channels + c, mask=c < n_channels, other=0.0)
-    y = ((convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) - mean_lo) * scale
-    if HAS_B:
-        y = y + convert(tl.load(b_ptr + c, mask=c < n_channels, other=0.0), mean.dtype)
-    if ACT >= 0:
-        y = activation_value(y, ACT, act_p0, act_p1)
-    tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT: tl.constexpr):
-    """(dy through the activation, x-hat) of one tile; the pre-activation is recomputed from x."""
-    xhat = tl.where(
-        mask, (convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) * rstd, 0.0
-    )
-    dy = convert(tl.load(dy_ptr + offs, mask=mask, other=0.0), mean.dtype)
-    if ACT >= 0:
-        dy = activation_gradient(dy, xhat * w + b, ACT, False, act_p0, act_p1)
-    return dy, xhat
-
-
-@triton.jit
-def _load_channel(ptr, c, n_channels, default, PRESENT: tl.constexpr, ACC: tl.constexpr):
-    if PRESENT:
-        return convert(tl.load(ptr + c, mask=c < n_channels, other=0.0), ACC)
-    else:
-        return tl.full(c.shape, default, ACC)
-
-
-@triton.jit
-def _backward_reduce_kernel(
-    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, part_ptr,
-    act_p0, act_p1,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-    ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """Per-channel partial sums of dy and dy * x-hat (dy taken through the activation) into rows
-    ``split`` and ``splits + split`` of the (2, splits, C) buffer ``part``: db and dw, and the two
-    terms of dx. Grid as _stats."""
-    c0 = tl.program_id(0) * BLOCK_C
-    split = tl.program_id(1)
-    cols = c0 + tl.arange(0, BLOCK_C)
-    c2 = cols[None, :]
-    mean = tl.load(mean_ptr + c2, mask=c2 < n_channels, other=0.0)
-    rstd = tl.load(rstd_ptr + c2, mask=c2 < n_channels, other=0.0)
-    w = _load_channel(w_ptr, c2, n_channels, 1.0, HAS_W, ACC)
-    b = _load_channel(b_ptr, c2, n_channels, 0.0, HAS_B, ACC)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    acc_x = tl.zeros([BLOCK_R, BLOCK_C], ACC)
-    for r0 in range(split * BLOCK_R, n_rows, tl.num_programs(1) * BLOCK_R):
-        offs, mask, _ = _tile(
-            r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
-        )
-        dy, xhat = _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT)
-        acc += dy
-        acc_x += dy * xhat
-    out = part_ptr + split * n_channels + cols
-    tl.store(out, tl.sum(acc, 0), mask=cols < n_channels)
-    tl.store(out + tl.num_programs(1) * n_channels, tl.sum(acc_x, 0), mask=cols < n_channels)
-
-
-@triton.jit
-def _backward_apply_kernel(
-    dy_ptr, x_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, dsum_ptr, dxsum_ptr, dx_ptr,
-    act_p0, act_p1, count,
-    n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-    ACC: tl.constexpr, TRAINING: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-    INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """dx = w * rstd * (dy - sum(dy) / count - x-hat * sum(dy * x-hat) / count) in training; with
-    running statistics the mean and variance are constants and dx = w * rstd * dy. Grid as
-    _apply_kernel's."""
-    r0, c0 = _reversed(n_channels, BLOCK_R, BLOCK_C)
-    offs, mask, c = _tile(
-        r0, c0, n_rows, n_channels, spatial, stride_n, stride_c, stride_s, INDEX_64, BLOCK_R, BLOCK_C
-    )
-    cm = c < n_channels
-    mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
-    rstd = tl.load(rstd_ptr + c, mask=cm, other=0.0)
-    w = _load_channel(w_ptr, c, n_channels, 1.0, HAS_W, ACC)
-    b = _load_channel(b_ptr, c, n_channels, 0.0, HAS_B, ACC)
-    dy, xhat = _grad_tile(dy_ptr, x_ptr, offs, mask, mean, rstd, w, b, act_p0, act_p1, ACT)
-    if TRAINING:
-        dy = dy - tl.load(dsum_ptr + c, mask=cm, other=0.0) / count
-        dy = dy - xhat * (tl.load(dxsum_ptr + c, mask=cm, other=0.0) / count)
-    tl.store(dx_ptr + offs, convert(dy * w * rstd, dx_ptr.dtype.element_ty), mask=mask)
+# 2. Kernels: batch_kernels.py.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +94,10 @@ def _backward_apply_kernel(
 class BatchNormProblem(Problem):
     """One step over an (N, C, S) view with strides (n, c, s) shared by the step's tensors."""
 
-    step: str  # "stats", "apply", "backward", or its halves "backward_reduce" / "backward_apply"
+    # "stats", "forward" (statistics, finalize and apply), "apply", "backward", the backward's halves
+    # "backward_reduce" / "backward_apply"; "forward_packed", "apply_packed" and "backward_packed"
+    # for the eager fast path (see PACKED at the kernels)
+    step: str
     training: bool
     update_running: bool
     has_w: bool
@@ -381,16 +175,20 @@ class TiledEngine(Engine[BatchNormProblem]):
         warps = config["num_warps"]
         tiles = (index_64, block_r, block_c)
         part_shape = (2, splits, p.channels)
-        if p.step in ("stats", "forward"):
+        # The eager fast path's steps keep their per-channel buffers in one workspace (PACKED).
+        packed = p.step.endswith("_packed")
+        step = p.step.removesuffix("_packed")
+        stats_dtype = torch.float64 if p.acc == tl.float64 else torch.float32
+        if step in ("stats", "forward"):
             stats = launcher(
                 _stats_kernel,
                 (c_blocks, splits),
                 3,
                 ints,
-                (p.acc, p.step == "forward", *tiles),
+                (p.acc, step == "forward", packed, *tiles),
                 num_warps=warps,
             )
-            if p.step == "stats":
+            if step == "stats":
 
                 def partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
                     part = x.new_empty(part_shape, dtype=_stats_dtype(x))
@@ -398,8 +196,10 @@ class TiledEngine(Engine[BatchNormProblem]):
                     return part
 
                 return partial_stats
-        if p.step in ("apply", "forward"):
-            apply = launcher(_apply_kernel, tiles_grid, 5, ints, (p.has_b, p.act, *tiles), num_warps=warps)
+        if step in ("apply", "forward"):
+            apply = launcher(
+                _apply_kernel, tiles_grid, 5, ints, (p.has_b, p.act, packed, *tiles), num_warps=warps
+            )
             finalizers: dict[tuple[int, int], Callable[..., None]] = {}
 
             def finalizer(k: int, shift_stride: int) -> Callable[..., None]:
@@ -412,11 +212,25 @@ class TiledEngine(Engine[BatchNormProblem]):
                         (cdiv(p.channels, 128),),
                         8,
                         (p.channels, k, shift_stride),
-                        (p.acc, p.training, p.update_running, p.has_w, 128),
+                        (p.acc, p.training, p.update_running, p.has_w, packed, 128),
                     )
                 return run
 
-            if p.step == "forward":
+            if packed:  # training: statistics, finalize and apply; else apply the running statistics
+                finalize = finalizer(splits, p.strides[1]) if p.training else finalizer(1, 1)
+                size = (4 + 2 * splits if p.training else 4) * p.channels
+
+                def forward_packed(x, w, b, rm, rv, y, count, eps, momentum, p0, p1) -> torch.Tensor:
+                    """Returns the workspace: its first two rows are the mean and 1/std."""
+                    ws = x.new_empty(size, dtype=stats_dtype)
+                    if p.training:
+                        stats(x, x, ws)
+                    finalize(ws, x, w, rm, rv, ws, ws, ws, float(count), eps, momentum)
+                    apply(x, ws, ws, b, y, p0, p1)
+                    return ws
+
+                return forward_packed
+            if step == "forward":
                 finalize = finalizer(splits, p.strides[1])
 
                 def forward(x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1) -> None:
@@ -442,7 +256,7 @@ class TiledEngine(Engine[BatchNormProblem]):
             (c_blocks, splits),
             7,
             ints,
-            (p.acc, p.has_w, p.has_b, p.act, *tiles),
+            (p.acc, p.has_w, p.has_b, p.act, packed, *tiles),
             num_warps=warps,
         )
         apply_grad = launcher(
@@ -450,7 +264,7 @@ class TiledEngine(Engine[BatchNormProblem]):
             tiles_grid,
             9,
             ints,
-            (p.acc, p.training, p.has_w, p.has_b, p.act, *tiles),
+            (p.acc, p.training, p.has_w, p.has_b, p.act, packed, *tiles),
             num_warps=warps,
         )
 
@@ -459,25 +273,25 @@ class TiledEngine(Engine[BatchNormProblem]):
             reduce(dy, x, mean, rstd, w, b, part, p0, p1)
             return part
 
-        if p.step == "backward_reduce":
+        if step == "backward_reduce":
             return backward_reduce
-        if p.step == "backward_apply":
+        if step == "backward_apply":
             return lambda dy, x, mean, rstd, w, b, dsum, dxsum, dx, count, p0, p1: apply_grad(
                 dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count)
             )
 
         def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
+            """``dw``/``db``: the parameter gradients' buffers, or None where none is wanted."""
             part = backward_reduce(dy, x, mean, rstd, w, b, p0, p1)
-            if dw.numel() and db.numel() and dw.dtype == db.dtype == mean.dtype:
-                # The gradients are the sums dx needs: sum them in place (one launch, no copies).
-                sum_partials(part, db, dw)
-                dsum, dxsum = db, dw
-            else:
-                dsum, dxsum = channel_sums(part)
-                if dw.numel():
-                    dw.copy_(dxsum)
-                if db.numel():
-                    db.copy_(dsum)
+            # A gradient in the statistics' dtype is the sum dx needs: summed in place (one launch,
+            # no copy); others get an fp32 (fp64) buffer each and a copy, rounded once.
+            dsum = db if db is not None and db.dtype == mean.dtype else mean.new_empty(p.channels)
+            dxsum = dw if dw is not None and dw.dtype == mean.dtype else mean.new_empty(p.channels)
+            sum_partials(part, dsum, dxsum)
+            if dw is not None and dw is not dxsum:
+                dw.copy_(dxsum)
+            if db is not None and db is not dsum:
+                db.copy_(dsum)
             apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
 
         return backward
@@ -629,7 +443,8 @@ def _backward(
     dy = in_layout(dy, dx)
     w = weight if weight is not None else x
     b = bias if bias is not None else x
-    args = (dy, x, mean, rstd, w, b, dx, dw, db, x.numel() // x.shape[1], act_p0, act_p1)
+    grads = (dw if need_dw else None, db if need_db else None)
+    args = (dy, x, mean, rstd, w, b, dx, *grads, x.numel() // x.shape[1], act_p0, act_p1)
     _plan("backward", dx, training, False, weight, bias, act, lambda: args)(*args)
     return dx, dw, db
 
@@ -657,14 +472,126 @@ class _BatchNormFunction(torch.autograd.Function):
         return dx, dw if need_dw else None, db if need_db else None, *([None] * 8)
 
 
+class _EagerBatchNorm(torch.autograd.Function):
+    """``_BatchNormFunction`` for the eager fast path: ``program`` (see ``_eager_program``) runs
+    the bound plans directly, forward and backward, and keeps the statistics in one workspace;
+    the running statistics are updated in place."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, program):
+        y, workspace = program[0](x, weight, bias, running_mean, running_var, momentum)
+        ctx.save_for_backward(x, weight, bias, workspace)
+        ctx.program = program
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, workspace = ctx.saved_tensors
+        _, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx, dw, db = ctx.program[1](dy, x, weight, bias, workspace, need_dw, need_db)
+        return dx, dw, db, None, None, None, None
+
+
+_apply_eager = raw_apply(_EagerBatchNorm)
+
+
+def _eager_program(x, weight, bias, running_mean, running_var, training, momentum, eps, act, p0, p1):
+    """``fast(x, weight, bias, running_mean, running_var, momentum, grad) -> y`` for the calls of a
+    validated call's key (``_eager_key``): the work of ``_forward`` (and ``_backward``) through
+    the packed steps' plans, bound here, or None where the call needs the general path's copies
+    (an empty input, or one not dense in its own layout). Arguments as ``_forward``'s."""
+    y0 = torch.empty_like(x)
+    if not x.numel() or x.stride() != y0.stride() or ncs_layout(y0) is None:
+        return None
+    count = x.numel() // x.shape[1]
+    update = training and running_mean is not None
+    # Absent tensors are passed as x and never read; which ones are absent is fixed by the key.
+    first = (x, *(t if t is not None else x for t in (weight, bias, running_mean, running_var)))
+    args = (*first, y0, count, eps, momentum, p0, p1)
+    step = "forward_packed" if training else "apply_packed"
+    plan = _plan(
+        step, x, training, update, weight, bias, act,
+        lambda: (*args[:3], args[3].clone(), args[4].clone(), *args[5:]),  # copies of the running stats
+    )  # fmt: skip
+
+    def run(x, weight, bias, rm, rv, momentum):
+        """(y, the workspace whose first rows are the mean and 1/std)."""
+        y = torch.empty_like(x)
+        w = weight if weight is not None else x
+        b = bias if bias is not None else x
+        rm = rm if rm is not None else x
+        rv = rv if rv is not None else x
+        return y, plan(x, w, b, rm, rv, y, count, eps, momentum, p0, p1)
+
+    backward_plan: list = [None, None]  # (config version, plan): looked up on the first backward
+
+    def backward(dy, x, weight, bias, workspace, need_dw, need_db):
+        dx = torch.empty_like(x)
+        dy = in_layout(dy, dx)
+        w = weight if weight is not None else x
+        b = bias if bias is not None else x
+        dw = torch.empty_like(weight) if need_dw else None
+        db = torch.empty_like(bias) if need_db else None
+        args = (dy, x, workspace, workspace, w, b, dx, dw, db, count, p0, p1)
+        if backward_plan[0] != config.version:
+            plan = _plan("backward_packed", dx, training, False, weight, bias, act, lambda: args)
+            backward_plan[:] = config.version, plan
+        backward_plan[1](*args)
+        return dx, dw, db
+
+    program = (run, backward)
+
+    def fast(x, weight, bias, running_mean, running_var, momentum, grad):
+        if grad:
+            return _apply_eager(x, weight, bias, running_mean, running_var, momentum, program)
+        return run(x, weight, bias, running_mean, running_var, momentum)[0]
+
+    return fast
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Public functions.
+
+
+# Eager calls seen before run ``_eager_program``'s ``fast``, keyed by ``_eager_key``.
+_eager: dict[tuple, Callable[..., torch.Tensor]] = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation) -> tuple | None:
+    """The fast path's key of a call on plain tensors: everything the argument checks and the plans
+    depend on (types, shapes, strides, dtypes, devices, flags, eps, the config version) but
+    momentum, checked on each call (with momentum=None the module passes a new factor each step).
+    None where the call takes the general path: tracing, a functorch transform, a tensor
+    subclass, arguments of unusual types."""
+    if not eager_tensor(input) or type(training) is not bool or functorch_active():
+        return None
+    if activation is not None and type(activation) is not str:
+        return None
+    params = (weight, bias, running_mean, running_var)
+    for t in params:
+        if t is not None and (type(t) not in _PLAIN or not t.is_contiguous()):
+            return None
+    return (
+        config.version, input.shape, input.stride(), input.dtype, input.device, training, eps, type(eps),
+        activation, *[None if t is None else (t.shape, t.dtype, t.device) for t in params],
+    )  # fmt: skip
 
 
 def _check_channels(op: str, input: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     check_tensor(op, "input", input, min_ndim=2)
     for name, value in tensors.items():
         check_affine(op, name, value, (input.shape[1],), input)
+
+
+def _unit_stride(op: str, *vectors: torch.Tensor | None, **running: torch.Tensor | None) -> list:
+    """The per-channel ``vectors`` with unit stride, as the kernels read them (a differentiable
+    copy where they are strided); the ``running`` statistics are updated in place, so a strided
+    one is an error rather than a copy whose update would be lost."""
+    for name, value in running.items():
+        if value is not None and not value.is_contiguous():
+            raise ValueError(f"{op}: argument '{name}' must be contiguous (it is updated in place)")
+    return [None if t is None else t.contiguous() for t in vectors]
 
 
 def batch_norm(
@@ -692,7 +619,24 @@ def batch_norm(
 
     The saved statistics are fp32; the sums behind them are of ``x - shift`` with a per-channel
     sample as the shift, so a mean of 1e4 over a unit variance keeps its digits.
+
+    Eager calls on plain tensors are checked once per key (``_eager_key``: shapes, strides,
+    dtypes, devices, flags, eps, the config version); later calls with that key check only the
+    momentum and run prepared plans (about a third of the host time of a checked call).
     """
+    key = _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation)
+    if key is not None:
+        fast = _eager.get(key)
+        # momentum is checked here, as check_float would (a real number, finite, not a bool).
+        if fast is not None and (
+            type(momentum) is int or (type(momentum) is float and math.isfinite(momentum))
+        ):
+            grad = torch.is_grad_enabled() and (
+                input.requires_grad
+                or (weight is not None and weight.requires_grad)
+                or (bias is not None and bias.requires_grad)
+            )
+            return fast(input, weight, bias, running_mean, running_var, float(momentum), grad)
     op = "tdnn.batch_norm"
     _check_channels(op, input, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     if (running_mean is None) != (running_var is None):
@@ -706,8 +650,15 @@ def batch_norm(
     momentum = check_float(op, "momentum", momentum)
     eps = check_eps(op, eps)
     act, p0, p1 = activation_kind(activation, op)
+    weight, bias = _unit_stride(op, weight, bias, running_mean=running_mean, running_var=running_var)
     args = (input, weight, bias, running_mean, running_var, bool(training), momentum, eps, act, p0, p1)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
+    if key is not None:  # validated: later calls with this key skip the checks
+        fast = _eager_program(*args)
+        if fast is not None:
+            _eager[key] = fast
+            return fast(input, weight, bias, running_mean, running_var, momentum, grad)
+    if grad:
         return _BatchNormFunction.apply(*args)
     return _forward(*args)[0]
 
@@ -760,6 +711,7 @@ def batch_norm_apply(
     act, p0, p1 = activation_kind(activation, op)
     eps = check_eps(op, eps)
     momentum = check_float(op, "momentum", momentum)
+    weight, bias = _unit_stride(op, weight, bias, running_mean=running_mean, running_var=running_var)
     y = torch.empty_like(input)
     x, y = dense_ncs(input, y)
     mean = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
@@ -790,6 +742,7 @@ def batch_norm_backward_reduce(
         return zeros, zeros.clone()
     x, _ = dense_ncs(input, torch.empty_like(input))
     dy = in_layout(grad_output, x)
+    (weight,) = _unit_stride(op, weight)
     w = weight if weight is not None else x
     mean, invstd = (t.to(_stats_dtype(x)).contiguous() for t in (mean, invstd))
     args = (dy, x, mean, invstd, w, x, 0.0, 0.0)
@@ -817,6 +770,7 @@ def batch_norm_backward_apply(
         return torch.empty_like(input)
     x, dx = dense_ncs(input, torch.empty_like(input))
     dy = in_layout(grad_output, dx)
+    (weight,) = _unit_stride(op, weight)
     w = weight if weight is not None else x
     stats = [t.to(_stats_dtype(x)).contiguous() for t in (mean, invstd, sum_dy, sum_dy_xhat)]
     args = (dy, x, stats[0], stats[1], w, x, stats[2], stats[3], dx, count, 0.0, 0.0)

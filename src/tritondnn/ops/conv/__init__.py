@@ -20,12 +20,13 @@ by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(
 the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
 ``depthwise`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
 ``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
-by a constant), ``depthwise`` and ``gemm_1x1``.
+by a constant), ``row_window`` (channels-last with few input channels, as a stem: a kernel row's
+taps and channels are one contiguous run of the image row), ``depthwise`` and ``gemm_1x1``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``boxed``, ``shifted``, ``gemm``, ``depthwise``, ``winograd``, ``fft``, ``plans``
-(per-shape plans, torch.library ops), ``autograd``, ``reference``; this module holds the public
-functions.
+``engines``, ``boxed``, ``shifted``, ``window``, ``gemm``, ``depthwise``, ``winograd``, ``fft``,
+``plans`` (per-shape plans, torch.library ops), ``autograd``, ``eager`` (the eager fast path:
+calls seen before skip the checks), ``reference``; this module holds the public functions.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from ...core.autocast import LOWER, autocast_policy
 from ..epilogue import Epilogue
 from . import boxed as _boxed  # noqa: F401  (registers its engines)
 from . import depthwise as _depthwise  # noqa: F401
+from . import eager
 from . import fft as _fft  # noqa: F401
 from . import gemm as _gemm  # noqa: F401
 from . import shifted as _shifted  # noqa: F401
+from . import window as _window  # noqa: F401
 from . import winograd as _winograd  # noqa: F401
 from .args import (
     check_bias,
@@ -109,6 +112,12 @@ def _parse(op, nd, input, weight, bias, stride, padding, dilation, groups):
 
 
 def _conv(op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual):
+    key = None
+    if algo is None and epilogue is None and c is None and residual is None:
+        key = eager.eager_key(nd, input, weight, bias, stride, padding, dilation, groups)
+        fast = eager.programs.get(key) if key is not None else None
+        if fast is not None:
+            return fast(input, weight, bias, _wants_grad(input, weight, bias))
     x, unbatched, groups, stride_, dilation_ = _parse(
         op, nd, input, weight, bias, stride, padding, dilation, groups
     )
@@ -132,6 +141,11 @@ def _conv(op, nd, input, weight, bias, stride, padding, dilation, groups, algo, 
     pre_pad, post_pad = [p[0] for p in pads], [p[1] for p in pads]
     geometry = (list(stride_), pre_pad, post_pad, list(dilation_), groups)
     flags = (epi.alpha, epi.beta, epi.activation_kind, p0, p1)
+    if key is not None:  # validated: later calls with this key skip the checks
+        fast = eager.eager_program(x, weight, bias, geometry)
+        if fast is not None:
+            eager.programs[key] = fast
+            return fast(x, weight, bias, _wants_grad(x, weight, bias))
     if _wants_grad(x, weight, bias, c, residual):
         y, pre = _ConvFunction.apply(
             x, weight, bias, c, residual, geometry, *flags, epi.store_preactivation, out_dtype, algo
@@ -545,8 +559,8 @@ def conv_backward_weight(
     """cuDNN's backward-filter (``torch.nn.grad.conv{1,2,3}d_weight``): the gradient of
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
-    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'depthwise', 'gemm_1x1'). Returns a
-    contiguous tensor in the input's dtype."""
+    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'row_window', 'depthwise',
+    'gemm_1x1'). Returns a contiguous tensor in the input's dtype."""
     op = "tdnn.conv_backward_weight"
     check_tensor_pair(op, input, "input", grad_output, "grad_output")
     weight_size = tuple(int(s) for s in weight_size)

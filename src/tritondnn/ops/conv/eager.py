@@ -1,0 +1,118 @@
+"""The eager fast path of ``conv1d/2d/3d``: a call on plain tensors without an epilogue, C,
+residual or forced engine whose key (``eager_key``: shapes, strides, dtypes, devices, geometry
+arguments, the config version) was validated before skips the argument checks, the autograd
+wrapper and the plans' key building, and runs the plans bound for that key (forward, and per
+output-gradient layout the data and weight gradients). The general path's plans are shared, so
+the arithmetic (and the bits) are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...core.config import config
+from ...core.library import eager_tensor, functorch_active, raw_apply
+from .autograd import _like_param, epilogue_grads
+from .plans import dgrad_plan, forward_plan, wgrad_plan
+from .problem import channels_last
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# Calls seen before, keyed by ``eager_key``: ``fast(input, weight, bias, grad) -> output``.
+programs: dict[tuple, Callable[..., torch.Tensor]] = {}
+
+
+def _int_tuple(value: Any) -> bool:
+    """An int, or a tuple of ints or of int pairs: the geometry arguments a key can hold as given
+    (floats and bools compare equal to ints, so their exact types must be checked first)."""
+    if type(value) is int:
+        return True
+    return type(value) is tuple and all(
+        type(v) is int or (type(v) is tuple and all(type(e) is int for e in v)) for v in value
+    )
+
+
+def eager_key(nd, input, weight, bias, stride, padding, dilation, groups) -> tuple | None:
+    """The key of a batched call on plain tensors, or None where the call takes the general path
+    (tracing, a functorch transform, a tensor subclass, an unbatched input, a strided bias,
+    geometry arguments of other types)."""
+    if not eager_tensor(input) or functorch_active() or type(weight) not in _PLAIN:
+        return None
+    if bias is not None and (type(bias) not in _PLAIN or not bias.is_contiguous()):
+        return None
+    if input.dim() != nd + 2 or type(groups) is not int:
+        return None
+    if not (_int_tuple(stride) and _int_tuple(dilation) and (type(padding) is str or _int_tuple(padding))):
+        return None
+    return (
+        nd, config.version, input.shape, input.stride(), input.dtype, input.device,
+        weight.shape, weight.stride(), weight.dtype, weight.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        stride, padding, dilation, groups,
+    )  # fmt: skip
+
+
+class _EagerConv(torch.autograd.Function):
+    """``_ConvFunction`` without an epilogue, for the fast path: ``program`` (see
+    ``eager_program``) runs the bound plans forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, program):
+        ctx.save_for_backward(x, weight)
+        ctx.program = program
+        return program[0](x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_bias = ctx.needs_input_grad[:3]
+        return (*ctx.program[1](dy, x, weight, need_x, need_w, need_bias), None)
+
+
+_apply_eager = raw_apply(_EagerConv)
+
+
+def eager_program(x, weight, bias, geometry) -> Callable[..., torch.Tensor] | None:
+    """``fast(input, weight, bias, grad) -> output`` for the calls of a validated call's key, with
+    ``geometry`` = (stride, pad_pre, pad_post, dilation, groups) as the general path normalized
+    it; None for an empty input or weight (the general path's zero-filled gradients)."""
+    if not x.numel() or not weight.numel():
+        return None
+    stride, pad_pre, pad_post, dilation, groups = geometry
+    last = channels_last(x)
+    bias_dtype = None if bias is None else bias.dtype
+    run_forward = forward_plan(
+        x, weight, bias, None, None, stride, pad_pre, pad_post, dilation, groups, -1, False, x.dtype, None
+    )
+    # (config version, output gradient's shape and strides) -> (data-gradient run, weight-gradient run)
+    gradient_runs: dict[tuple, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+    def forward(x, weight, bias):
+        return run_forward(x, weight, bias, None, None, 1.0, 1.0, 0.0, 0.0)[0]
+
+    def backward(dy, x, weight, need_x, need_w, need_bias):
+        d, dbias = epilogue_grads(dy, None, -1, 0.0, 0.0, need_bias, bias_dtype, last)
+        key = (config.version, d.shape, d.stride(), d.dtype)
+        runs = gradient_runs.get(key)
+        if runs is None:
+            size = list(x.shape)
+            runs = gradient_runs[key] = (
+                dgrad_plan(d, weight, None, None, None, size, stride, pad_pre, dilation, groups, -1, False,
+                           x.dtype, last, None),
+                wgrad_plan(x, d, list(weight.shape), stride, pad_pre, dilation, groups, None),
+            )  # fmt: skip
+        dx = runs[0](d, weight, None, None, None, 1.0, 0.0, 0.0, 0.0)[0] if need_x else None
+        dw = _like_param(runs[1](x, d), weight) if need_w else None
+        return dx, dw, dbias
+
+    program = (forward, backward)
+
+    def fast(x, weight, bias, grad):
+        if grad:
+            return _apply_eager(x, weight, bias, program)
+        return forward(x, weight, bias)
+
+    return fast

@@ -55,6 +55,10 @@ class Case:
         bytes: bytes read plus bytes written once (memory-bound cases), or None.
         flops: floating-point operations (compute-bound cases), or None.
         host: time the host per call (launch overhead on a small tensor) instead of the device.
+        warmup_calls: calls of each provider before it is timed, for work whose first calls
+            compile and tune (a model's training step): the timer's own warmup sizes itself from
+            its first calls, which would then include the compilation.
+        rep_ms: how long the timer repeats the calls; the median is over that many milliseconds.
     """
 
     name: str
@@ -62,6 +66,8 @@ class Case:
     bytes: int | None = None
     flops: int | None = None
     host: bool = False
+    warmup_calls: int = 0
+    rep_ms: float = 100.0
 
     @property
     def is_limit(self) -> bool:
@@ -120,7 +126,9 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
 def _time(case: Case, fn: Callable[[], object]) -> float:
     if case.host:
         return host_us_per_call(fn, calls=20 if INTERPRET else 2000, rounds=3 if INTERPRET else 7) / 1e3
-    return median_ms(fn)
+    for _ in range(case.warmup_calls):
+        fn()
+    return median_ms(fn, rep_ms=case.rep_ms)
 
 
 class Table:

@@ -264,4 +264,8 @@ def cases(quick: bool = False) -> Iterator[Case]:
                 ),
                 **({"tritondnn+torch.compile": compile_ours} if compile_ours else {}),
             },
+            # A step takes tens of milliseconds: the median of at least ~30 steps, after the
+            # first ones have compiled and tuned every kernel.
+            warmup_calls=0 if INTERPRET else 3,
+            rep_ms=100.0 if INTERPRET else 1500.0,
         )

@@ -85,16 +85,18 @@ def test_repeated_calls_match_torch(case, counted):
     assert counted["checks"] == 1 and len(eager.programs) == 1
 
 
-def test_gradients_of_some_inputs_and_no_grad(counted):
+@pytest.mark.parametrize("k", [1, 3])
+def test_gradients_of_some_inputs_and_no_grad(k, counted):
     """Only the weight wanting a gradient, then only the input, then no autograd at all: one key,
-    the right values each time, the weight's gradient in the weight's (channels-last) layout."""
-    x, w = _layout(randn(2, 4, 6, 6), True), _layout(randn(5, 4, 3, 3, scale=0.3), True)
+    the right values each time, the weight's gradient in the weight's (channels-last) strides
+    (for a 1x1 kernel a view of the contiguous result: the same element order)."""
+    x, w = _layout(randn(2, 4, 6, 6), True), _layout(randn(5, 4, k, k, scale=0.3), True)
     dy = _layout(randn(2, 5, 6, 6), True)
     for wants in ("weight", "input", "none"):
         xi, wi = x.clone().requires_grad_(wants == "input"), w.clone().requires_grad_(wants == "weight")
-        y = conv.conv2d(xi, wi, None, 1, 1)
+        y = conv.conv2d(xi, wi, None, 1, k // 2)
         wide = [v.detach().double().requires_grad_(v.requires_grad) for v in (xi, wi)]
-        ref = F.conv2d(*wide, None, 1, 1)
+        ref = F.conv2d(*wide, None, 1, k // 2)
         torch.testing.assert_close(y.double(), ref.detach(), atol=1e-4, rtol=1e-4)
         if wants == "none":
             assert y.grad_fn is None

@@ -128,9 +128,15 @@ class _ConvFunction(torch.autograd.Function):
 
 
 def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``param``'s strides (autograd's gradient layout contract: DDP's buckets and
-    optimizers expect it), copied only when they differ."""
-    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+    """``grad`` (contiguous) in ``param``'s strides (autograd's gradient layout contract: DDP's
+    buckets and optimizers expect it), copied only where the element order differs: strides of
+    size-1 dimensions place nothing (a 1x1 kernel's channels-last weight has contiguous order),
+    so there a view with the param's strides is the same memory."""
+    if grad.stride() == param.stride():
+        return grad
+    if all(g == w for g, w, n in zip(grad.stride(), param.stride(), param.shape) if n > 1):
+        return grad.as_strided(param.shape, param.stride())
+    return torch.empty_like(param).copy_(grad)
 
 
 class _ConvTransposeFunction(torch.autograd.Function):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...core.backend import multiprocessor_count
+from ...core.backend import INTERPRET, multiprocessor_count
 from ...core.checks import check_float, check_like, check_tensor
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
@@ -34,7 +34,9 @@ from .batch_kernels import (
     _apply_kernel,
     _backward_apply_kernel,
     _backward_reduce_kernel,
+    _backward_sums_kernel,
     _finalize_kernel,
+    _stats_finalize_kernel,
     _stats_kernel,
 )
 from .common import (
@@ -49,6 +51,9 @@ from .common import (
     param_grads,
     sum_partials,
 )
+
+# The current stream's handle, for keying per-stream buffers (none under the interpreter).
+_current_stream = None if INTERPRET else torch._C._cuda_getCurrentRawStream
 
 # ---------------------------------------------------------------------------------------------
 # 1. Reference.
@@ -179,23 +184,30 @@ class TiledEngine(Engine[BatchNormProblem]):
         packed = p.step.endswith("_packed")
         step = p.step.removesuffix("_packed")
         stats_dtype = torch.float64 if p.acc == tl.float64 else torch.float32
-        if step in ("stats", "forward"):
+        # Training's statistics pass and the backward's sums finalize in their last programs
+        # (one arrival counter per channel block), BLOCK_K partials per load.
+        block_k = max(1, min(triton.next_power_of_2(splits), 2048 // block_c))
+        counters = _arrival_counters(c_blocks)
+        if step == "stats":
             stats = launcher(
-                _stats_kernel,
+                _stats_kernel, (c_blocks, splits), 3, ints, (p.acc, packed, *tiles), num_warps=warps
+            )
+
+            def partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+                part = x.new_empty(part_shape, dtype=_stats_dtype(x))
+                stats(x, shift, part)
+                return part
+
+            return partial_stats
+        if step == "forward" or (packed and p.training):
+            stats_finalize = launcher(
+                _stats_finalize_kernel,
                 (c_blocks, splits),
-                3,
+                9,
                 ints,
-                (p.acc, step == "forward", packed, *tiles),
+                (p.acc, p.update_running, p.has_w, packed, *tiles, block_k),
                 num_warps=warps,
             )
-            if step == "stats":
-
-                def partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-                    part = x.new_empty(part_shape, dtype=_stats_dtype(x))
-                    stats(x, shift, part)
-                    return part
-
-                return partial_stats
         if step in ("apply", "forward"):
             apply = launcher(
                 _apply_kernel, tiles_grid, 5, ints, (p.has_b, p.act, packed, *tiles), num_warps=warps
@@ -216,29 +228,30 @@ class TiledEngine(Engine[BatchNormProblem]):
                     )
                 return run
 
-            if packed:  # training: statistics, finalize and apply; else apply the running statistics
-                finalize = finalizer(splits, p.strides[1]) if p.training else finalizer(1, 1)
+            if packed:  # training: statistics (finalized) and apply; else apply the running statistics
+                finalize = finalizer(1, 1)
                 size = (4 + 2 * splits if p.training else 4) * p.channels
 
                 def forward_packed(x, w, b, rm, rv, y, count, eps, momentum, p0, p1) -> torch.Tensor:
                     """Returns the workspace: its first two rows are the mean and 1/std."""
                     ws = x.new_empty(size, dtype=stats_dtype)
                     if p.training:
-                        stats(x, x, ws)
-                    finalize(ws, x, w, rm, rv, ws, ws, ws, float(count), eps, momentum)
+                        stats_finalize(x, w, rm, rv, ws, ws, ws, ws, counters(x), float(count), eps, momentum)
+                    else:
+                        finalize(ws, x, w, rm, rv, ws, ws, ws, float(count), eps, momentum)
                     apply(x, ws, ws, b, y, p0, p1)
                     return ws
 
                 return forward_packed
             if step == "forward":
-                finalize = finalizer(splits, p.strides[1])
 
                 def forward(x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1) -> None:
-                    """Training: statistics, finalize and apply; the shift is x[0, :, 0]."""
+                    """Training: statistics (finalized) and apply; the shift is x[0, :, 0]."""
                     part = mean.new_empty(part_shape)
                     scale = mean.new_empty((2, p.channels))  # scale, mean_lo
-                    stats(x, x, part)
-                    finalize(part, x, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
+                    stats_finalize(
+                        x, w, rm, rv, part, mean, rstd, scale, counters(x), float(count), eps, momentum
+                    )
                     apply(x, mean, scale, b, y, p0, p1)
 
                 return forward
@@ -257,6 +270,14 @@ class TiledEngine(Engine[BatchNormProblem]):
             7,
             ints,
             (p.acc, p.has_w, p.has_b, p.act, packed, *tiles),
+            num_warps=warps,
+        )
+        reduce_sums = launcher(
+            _backward_sums_kernel,
+            (c_blocks, splits),
+            10,
+            ints,
+            (p.acc, p.has_w, p.has_b, p.act, packed, *tiles, block_k),
             num_warps=warps,
         )
         apply_grad = launcher(
@@ -282,12 +303,12 @@ class TiledEngine(Engine[BatchNormProblem]):
 
         def backward(dy, x, mean, rstd, w, b, dx, dw, db, count, p0, p1) -> None:
             """``dw``/``db``: the parameter gradients' buffers, or None where none is wanted."""
-            part = backward_reduce(dy, x, mean, rstd, w, b, p0, p1)
-            # A gradient in the statistics' dtype is the sum dx needs: summed in place (one launch,
-            # no copy); others get an fp32 (fp64) buffer each and a copy, rounded once.
+            part = mean.new_empty(part_shape)
+            # A gradient in the statistics' dtype is the sum dx needs: summed in place (no copy);
+            # others get an fp32 (fp64) buffer each and a copy, rounded once.
             dsum = db if db is not None and db.dtype == mean.dtype else mean.new_empty(p.channels)
             dxsum = dw if dw is not None and dw.dtype == mean.dtype else mean.new_empty(p.channels)
-            sum_partials(part, dsum, dxsum)
+            reduce_sums(dy, x, mean, rstd, w, b, part, dsum, dxsum, counters(x), p0, p1)
             if dw is not None and dw is not dxsum:
                 dw.copy_(dxsum)
             if db is not None and db is not dsum:
@@ -295,6 +316,23 @@ class TiledEngine(Engine[BatchNormProblem]):
             apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
 
         return backward
+
+
+def _arrival_counters(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``counters(x)``: ``n`` int32 arrival counters on x's device for the launches that finalize
+    in their last program; zero between launches (the last program resets its counter). One set
+    per device and stream: launches on one stream run in order, two streams' may overlap."""
+    sets: dict[tuple[int, int], torch.Tensor] = {}
+
+    def counters(x: torch.Tensor) -> torch.Tensor:
+        device = x.get_device()
+        key = (device, 0 if INTERPRET else _current_stream(device))
+        found = sets.get(key)
+        if found is None:
+            found = sets[key] = torch.zeros(n, dtype=torch.int32, device=x.device)
+        return found
+
+    return counters
 
 
 def channel_sums(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from .engines import (
     forward_geometry,
     roofline,
 )
+from .kernels import output_pixel
 from .problem import ConvProblem
 
 
@@ -143,12 +144,7 @@ def _depthwise_wgrad_kernel(
         if INDEX_64:
             k = k.to(tl.int64)
         k_ok = k < k_end
-        ow = k % OW
-        rest = k // OW
-        oh = rest % OH
-        rest = rest // OH
-        od = rest % OD
-        n = rest // OD
+        n, od, oh, ow = output_pixel(k, OD, OH, OW)
         a_ptrs = dy_ptr + (n * y_n + od * y_d + oh * y_h + ow * y_w)[:, None] + (cols * y_c)[None, :]
         a = tl.load(a_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         sd = od * st_d - pd_d + kd * dl_d

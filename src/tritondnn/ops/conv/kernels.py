@@ -196,6 +196,16 @@ def _igemm_kernel(
 
 
 @triton.jit
+def output_pixel(k, OD, OH, OW):
+    """(n, od, oh, ow) of flat output pixel indices ``k`` (n-major, then d, h, w)."""
+    ow = k % OW
+    rest = k // OW
+    oh = rest % OH
+    rest = rest // OH
+    return rest // OD, rest % OD, oh, ow
+
+
+@triton.jit
 def _wgrad_kernel(
     dy_ptr, x_ptr, out_ptr,
     KTOT, COG, CG, OD, OH, OW, ID, IH, IW, KD, KH, KW, k_chunk,
@@ -253,12 +263,7 @@ def _wgrad_kernel(
         if INDEX_64:
             k = k.to(tl.int64)
         k_ok = k < k_end
-        ow = k % OW
-        rest = k // OW
-        oh = rest % OH
-        rest = rest // OH
-        od = rest % OD
-        n = rest // OD
+        n, od, oh, ow = output_pixel(k, OD, OH, OW)
         a_off = n * y_n + od * y_d + oh * y_h + ow * y_w
         a = tl.load(a_rows[:, None] + a_off[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         sd = (od * st_d)[:, None] + off_d[None, :]

@@ -27,7 +27,7 @@ from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
 from ..matmul.kernels import dot
 from .engines import WGRAD_FAMILY, dot_constexprs, peak, roofline
-from .kernels import _sum_kernel
+from .kernels import _sum_kernel, output_pixel
 from .problem import ConvProblem
 
 # The widest window (KW * Cin) a column block takes: wider windows have channels enough for the
@@ -79,12 +79,7 @@ def _window_wgrad_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + ks
         k_ok = k < k_end
-        ow = k % OW
-        rest = k // OW
-        oh = rest % OH
-        rest = rest // OH
-        od = rest % OD
-        n = rest // OD
+        n, od, oh, ow = output_pixel(k, OD, OH, OW)
         a_off = n * y_n + od * y_d + oh * y_h + ow * y_w
         a = tl.load(
             dy_ptr + co[:, None] * y_c + a_off[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0

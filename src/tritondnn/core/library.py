@@ -18,7 +18,8 @@ import torch
 from .backend import ON_DEVICE_ATTR
 
 F = TypeVar("F", bound=Callable[..., Any])
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# The tensor types calls take the direct (and cached) paths with; subclasses go through the op.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def eager_tensor(x: object) -> bool:
@@ -36,7 +37,7 @@ def plain_eager(x: object) -> bool:
 def direct_call(x: object) -> bool:
     """Whether a ``custom_op`` called with ``x`` first runs its implementation directly (no
     dispatcher, no tracing)."""
-    return type(x) in _PLAIN and not torch.compiler.is_compiling()
+    return type(x) in PLAIN_TENSORS and not torch.compiler.is_compiling()
 
 
 def custom_op(

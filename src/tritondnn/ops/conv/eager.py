@@ -14,12 +14,10 @@ from typing import Any
 import torch
 
 from ...core.config import config
-from ...core.library import eager_tensor, functorch_active, raw_apply
+from ...core.library import PLAIN_TENSORS, eager_tensor, functorch_active, raw_apply
 from .autograd import _like_param, epilogue_grads
 from .plans import dgrad_plan, forward_plan, wgrad_plan
 from .problem import channels_last
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Calls seen before, keyed by ``eager_key``: ``fast(input, weight, bias, grad) -> output``.
 programs: dict[tuple, Callable[..., torch.Tensor]] = {}
@@ -39,9 +37,9 @@ def eager_key(nd, input, weight, bias, stride, padding, dilation, groups) -> tup
     """The key of a batched call on plain tensors, or None where the call takes the general path
     (tracing, a functorch transform, a tensor subclass, an unbatched input, a strided bias,
     geometry arguments of other types)."""
-    if not eager_tensor(input) or functorch_active() or type(weight) not in _PLAIN:
+    if not eager_tensor(input) or functorch_active() or type(weight) not in PLAIN_TENSORS:
         return None
-    if bias is not None and (type(bias) not in _PLAIN or not bias.is_contiguous()):
+    if bias is not None and (type(bias) not in PLAIN_TENSORS or not bias.is_contiguous()):
         return None
     if input.dim() != nd + 2 or type(groups) is not int:
         return None

@@ -351,15 +351,35 @@ class ImplicitGemmDgradEngine(Engine[ConvProblem]):
         return with_weights(launches, repack)
 
 
+def split_pixels(pixels: int, tiles: int, bk: int) -> tuple[int, int]:
+    """(split, pixels per split) of a weight gradient's reduction over ``pixels`` for ``tiles``
+    output tiles: enough programs for two waves, at least four K steps of ``bk`` each."""
+    split = max(1, min(cdiv(2 * sm_count(), tiles), cdiv(pixels, 4 * bk), 1024))
+    chunk = cdiv(cdiv(pixels, split), bk) * bk
+    return cdiv(pixels, chunk) if pixels else 1, max(chunk, bk)
+
+
 def wgrad_split(p: ConvProblem, config: LaunchConfig) -> tuple[int, int]:
-    """(split, pixels per split) for the weight gradient: enough programs for two waves, at
-    least four K steps each."""
+    """``split_pixels`` for the implicit GEMM's tiles."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tiles = cdiv(p.cout_g, bm) * cdiv(p.cin_g * p.taps, bn) * p.groups
-    ktot = p.out_pixels
-    split = max(1, min(cdiv(2 * sm_count(), tiles), cdiv(ktot, 4 * bk), 1024))
-    chunk = cdiv(cdiv(ktot, split), bk) * bk
-    return cdiv(ktot, chunk) if ktot else 1, max(chunk, bk)
+    return split_pixels(p.out_pixels, tiles, bk)
+
+
+def summed_splits(p: ConvProblem, split: int, partial: Callable[..., None]) -> Callable[..., None]:
+    """``run(x, dy, dw)`` of a split weight gradient: ``partial(dy, x, ws)`` writes each split's
+    sums into a (split, dw elements) fp32 (fp64) workspace, then one kernel adds them in a fixed
+    order into dw (deterministic)."""
+    numel = p.cout * p.cin_g * p.taps
+    ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
+    reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
+
+    def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+        ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
+        partial(dy, x, ws)
+        reduce(ws, dw)
+
+    return run
 
 
 @WGRAD_FAMILY.register
@@ -412,16 +432,7 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
             return lambda x, dy, dw: launch(dy, x, dw)
         partial = (numel, *direct[1:])
         launch_ws = launcher(_wgrad_kernel, grid, 3, (*head, *partial, *geometry), consts, **opts)
-        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-        block = 1024
-        reduce = launcher(_sum_kernel, (cdiv(numel, block),), 2, (numel, split), (block,))
-
-        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
-            launch_ws(dy, x, ws)
-            reduce(ws, dw)
-
-        return run
+        return summed_splits(p, split, launch_ws)
 
 
 # ---------------------------------------------------------------------------------------------

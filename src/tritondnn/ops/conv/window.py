@@ -17,17 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET, sm_count
+from ...core.backend import INTERPRET
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
 from ..matmul.kernels import dot
-from .engines import WGRAD_FAMILY, dot_constexprs, peak, roofline
-from .kernels import _sum_kernel, output_pixel
+from .engines import WGRAD_FAMILY, dot_constexprs, peak, roofline, split_pixels, summed_splits
+from .kernels import output_pixel
 from .problem import ConvProblem
 
 # The widest window (KW * Cin) a column block takes: wider windows have channels enough for the
@@ -155,11 +154,8 @@ class WindowWgradEngine(Engine[ConvProblem]):
         jb = window_block(p)
         rows = p.kernel[0] * p.kernel[1]
         rb = max(1, min(triton.next_power_of_2(rows), MAX_COLUMNS // jb))
-        tiles = cdiv(p.cout, bm) * cdiv(rows, rb)
         ktot = p.out_pixels
-        split = max(1, min(cdiv(2 * sm_count(), tiles), cdiv(ktot, 4 * bk), 1024))
-        chunk = cdiv(cdiv(ktot, split), bk) * bk
-        split = cdiv(ktot, chunk) if ktot else 1
+        split, chunk = split_pixels(ktot, cdiv(p.cout, bm) * cdiv(rows, rb), bk)
         y_n, y_c, y_d, y_h, y_w = p.y_strides
         x_n, _, x_d, x_h, _ = p.x_strides
         head = (
@@ -195,12 +191,4 @@ class WindowWgradEngine(Engine[ConvProblem]):
         partial = launcher(
             _window_wgrad_kernel, grid, 3, (*head, numel, *direct[1:], *geometry), consts, **opts
         )
-        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-        reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
-
-        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
-            partial(dy, x, ws)
-            reduce(ws, dw)
-
-        return run
+        return summed_splits(p, split, partial)

@@ -28,7 +28,7 @@ from ...core.checks import check_float, check_like, check_tensor
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
-from ...core.library import custom_op, eager_tensor, functorch_active, raw_apply
+from ...core.library import PLAIN_TENSORS, custom_op, eager_tensor, functorch_active, raw_apply
 from ..activation import activation_reference
 from .batch_kernels import (
     _apply_kernel,
@@ -52,8 +52,10 @@ from .common import (
     sum_partials,
 )
 
-# The current stream's handle, for keying per-stream buffers (none under the interpreter).
-_current_stream = None if INTERPRET else torch._C._cuda_getCurrentRawStream
+# The current stream's handle on a device, for keying per-stream buffers (0 under the interpreter).
+_current_stream: Callable[[int], int] = (
+    (lambda device: 0) if INTERPRET else torch._C._cuda_getCurrentRawStream
+)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Reference.
@@ -326,7 +328,7 @@ def _arrival_counters(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
     def counters(x: torch.Tensor) -> torch.Tensor:
         device = x.get_device()
-        key = (device, 0 if INTERPRET else _current_stream(device))
+        key = (device, _current_stream(device))
         found = sets.get(key)
         if found is None:
             found = sets[key] = torch.zeros(n, dtype=torch.int32, device=x.device)
@@ -593,7 +595,6 @@ def _eager_program(x, weight, bias, running_mean, running_var, training, momentu
 
 # Eager calls seen before run ``_eager_program``'s ``fast``, keyed by ``_eager_key``.
 _eager: dict[tuple, Callable[..., torch.Tensor]] = {}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation) -> tuple | None:
@@ -608,7 +609,7 @@ def _eager_key(input, running_mean, running_var, weight, bias, training, eps, ac
         return None
     params = (weight, bias, running_mean, running_var)
     for t in params:
-        if t is not None and (type(t) not in _PLAIN or not t.is_contiguous()):
+        if t is not None and (type(t) not in PLAIN_TENSORS or not t.is_contiguous()):
             return None
     return (
         config.version, input.shape, input.stride(), input.dtype, input.device, training, eps, type(eps),

@@ -3,6 +3,8 @@ against float64, in NCHW and channels_last, with fused activations; the statisti
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from tritondnn.ops.norm import batch as B
 from tritondnn.ops.norm import group as G
 from tritondnn.ops.norm import group_pipeline
 
-ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu}
+ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu, "sigmoid": torch.sigmoid}
 LAYOUTS = {"nchw": lambda t: t, "channels_last": lambda t: t.to(memory_format=torch.channels_last)}
 
 
@@ -191,6 +193,32 @@ def test_batch_norm(training, dtype, layout, poison):
     assert_close(rv, rv_ref, what="running_var")
 
 
+@pytest.mark.parametrize(
+    ("layout", "residual_layout"), [("nchw", "channels_last"), ("channels_last", "nchw")]
+)
+@pytest.mark.parametrize("activation", [None, "relu", "sigmoid"])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_with_residual(training, activation, layout, residual_layout, poison):
+    """act(batch_norm(x) + r), the residual in the other layout (read through a copy in x's);
+    the output keeps x's layout."""
+    x, dy = _x(layout=layout), LAYOUTS[layout](randn(3, 8, 5, 7))
+    r = LAYOUTS[residual_layout](randn(3, 8, 5, 7))
+    w, b = randn(8), randn(8)
+    rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
+    _compare(
+        lambda x, w, b, r: norm.batch_norm(
+            x, rm.clone(), rv.clone(), w, b, training, activation=activation, residual=r
+        ),
+        lambda x, w, b, r: ACT[activation](
+            F.batch_norm(x, rm.to(x.dtype, copy=True), rv.to(x.dtype, copy=True), w, b, training) + r
+        ),
+        [x, w, b, r],
+        [dy],
+        f"batch_norm + residual training={training} {activation}",
+    )
+    assert norm.batch_norm(x, None, None, training=True, residual=r).stride() == x.stride()
+
+
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("shape", [(7, 5), (64, 65), (4, 6, 9), (2, 3, 2, 3, 4)])
 def test_batch_norm_ranks_without_running_stats(shape, affine, poison):
@@ -258,6 +286,11 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(
         lambda x, w, b: norm.batch_norm(x, None, None, w, b, True, activation="relu"), (x, w, b)
     )
+    r = randn(3, 4, 5, dtype=torch.float64).requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b, r: norm.batch_norm(x, None, None, w, b, True, activation="relu", residual=r),
+        (x, w, b, r),
+    )
 
 
 def test_deterministic_bits_twice():
@@ -307,6 +340,25 @@ def test_empty_batch():
             ValueError,
             "'eps'=-1.0",
         ),
+        (
+            lambda: norm.batch_norm(randn(2, 3, 4), None, None, training=True, residual=randn(2, 3, 5)),
+            ValueError,
+            "'residual' has shape",
+        ),
+        (
+            lambda: norm.batch_norm(
+                randn(2, 3, 4), None, None, training=True, residual=randn(2, 3, 4, dtype=torch.float64)
+            ),
+            TypeError,
+            "'residual' has dtype torch.float64",
+        ),
+        (
+            lambda: norm.batch_norm(
+                randn(2, 3, 4), None, None, training=True, activation="silu", residual=randn(2, 3, 4)
+            ),
+            ValueError,
+            "activation='silu' with a residual is not supported",
+        ),
         (lambda: norm.instance_norm(randn(2, 3)), ValueError, "dimensions"),
         (
             lambda: norm.instance_norm(randn(2, 3, 4), use_input_stats=False),
@@ -333,8 +385,11 @@ def test_library_ops_pass_opcheck():
         G._backward.op, (randn(2, 4, 3, 3), x, w, b, mean, rstd, 2, -1, 0.0, 0.0, True, True)
     )
     rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
-    torch.library.opcheck(B._forward.op, (x, w, b, rm, rv, True, 0.1, 1e-5, -1, 0.0, 0.0))
-    _, mean, rstd = B._forward(x, w, b, None, None, True, 0.1, 1e-5, -1, 0.0, 0.0)
+    torch.library.opcheck(B._forward.op, (x, w, b, rm, rv, None, True, 0.1, 1e-5, -1, 0.0, 0.0))
+    torch.library.opcheck(
+        B._forward.op, (x, w, b, None, None, randn(2, 4, 3, 3), True, 0.1, 1e-5, 0, 0.0, math.inf)
+    )
+    _, mean, rstd = B._forward(x, w, b, None, None, None, True, 0.1, 1e-5, -1, 0.0, 0.0)
     torch.library.opcheck(
         B._backward.op, (randn(2, 4, 3, 3), x, w, b, mean, rstd, True, -1, 0.0, 0.0, True, True)
     )

@@ -16,7 +16,7 @@ import tritondnn as tdnn
 from helpers import DEVICE, assert_close, randn
 from tritondnn.ops.norm import batch as B
 
-ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu}
+ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
 LAYOUTS = {"nchw": lambda t: t, "channels_last": lambda t: t.to(memory_format=torch.channels_last)}
 
 
@@ -87,6 +87,35 @@ def test_repeated_calls_match_torch(layout, dtype, training, activation, has_w, 
     assert len(B._eager) == 1
 
 
+@pytest.mark.parametrize(
+    ("layout", "dtype", "training", "activation"),
+    [
+        ("channels_last", torch.bfloat16, True, "relu"),
+        ("nchw", torch.float32, True, "tanh"),
+        ("channels_last", torch.float32, False, None),
+        ("nchw", torch.float16, False, "relu"),
+    ],
+)
+def test_residual_repeated_calls_match_torch(layout, dtype, training, activation, counted):
+    """BN-add-activation: act(batch_norm(x) + r) with the residual's gradient, three calls of one
+    key on fresh data, all on the fast path after the first check."""
+    for _ in range(3):
+        x, dy = _x(dtype=dtype, layout=layout), LAYOUTS[layout](randn(3, 8, 5, 7, dtype=dtype))
+        r = LAYOUTS[layout](randn(3, 8, 5, 7, dtype=dtype))
+        w, b = randn(8), randn(8)
+        rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
+
+        def ours(x, w, b, r, rm=rm, rv=rv):
+            return B.batch_norm(x, rm.clone(), rv.clone(), w, b, training, activation=activation, residual=r)
+
+        def theirs(x, w, b, r, rm=rm, rv=rv):
+            rm_, rv_ = rm.to(x.dtype, copy=True), rv.to(x.dtype, copy=True)
+            return ACT[activation](F.batch_norm(x, rm_, rv_, _same(w, x), _same(b, x), training) + r)
+
+        _compare(ours, theirs, [x, w, b, r], [dy], f"{layout} {dtype} training={training} {activation}")
+    assert counted == {"checks": 1, "general": 0}
+
+
 @pytest.mark.parametrize("momentum", [0.1, 0.5, 1])
 def test_running_statistics_over_calls(momentum, counted):
     """The running statistics' in-place update on every call of a cached key, the momentum
@@ -104,12 +133,14 @@ def test_running_statistics_over_calls(momentum, counted):
     assert counted["checks"] == 1 and counted["general"] == 0
 
 
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fast_path_gives_the_general_paths_bits(layout, training, monkeypatch):
+def test_fast_path_gives_the_general_paths_bits(layout, training, residual, monkeypatch):
     """The packed workspace changes where the statistics live, not the arithmetic: outputs,
-    running statistics and gradients are bit for bit the general path's."""
+    running statistics and gradients (the residual's too) are bit for bit the general path's."""
     x, w, b, dy = _x(layout=layout), randn(8), randn(8), LAYOUTS[layout](randn(3, 8, 5, 7))
+    r = LAYOUTS[layout](randn(3, 8, 5, 7)) if residual else None
     rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
     runs = []
     for general in (False, True):
@@ -118,8 +149,10 @@ def test_fast_path_gives_the_general_paths_bits(layout, training, monkeypatch):
             monkeypatch.setattr(B, "_eager_program", lambda *args: None)
         stats = [rm.clone(), rv.clone()]
         out = _grads(
-            lambda x, w, b, stats=stats: B.batch_norm(x, *stats, w, b, training, activation="relu"),
-            [x, w, b],
+            lambda x, w, b, r, stats=stats: B.batch_norm(
+                x, *stats, w, b, training, activation="relu", residual=r
+            ),
+            [x, w, b, r],
             [dy],
         )
         runs.append((*out[0], *out[1], *stats))
@@ -255,12 +288,12 @@ def test_functorch_transforms_take_the_general_path():
     keys = []
 
     def f(x):
-        keys.append(B._eager_key(x, None, None, None, None, True, 1e-5, None))
+        keys.append(B._eager_key(x, None, None, None, None, True, 1e-5, None, None))
         return x.sum()
 
     torch.func.grad(f)(randn(4, 3))
     assert keys == [None]
-    assert B._eager_key(randn(4, 3), None, None, None, None, True, 1e-5, None) is not None
+    assert B._eager_key(randn(4, 3), None, None, None, None, True, 1e-5, None, None) is not None
 
 
 def test_strided_weight_and_bias(counted):

@@ -29,7 +29,8 @@ from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
 from ...core.library import PLAIN_TENSORS, custom_op, eager_tensor, functorch_active, raw_apply
-from ..activation import activation_reference
+from ..activation import _backward as _activation_grad
+from ..activation import activation_reference, saves_output
 from .batch_kernels import (
     _apply_kernel,
     _backward_apply_kernel,
@@ -115,6 +116,7 @@ class BatchNormProblem(Problem):
     channels: int
     spatial: int
     strides: tuple[int, int, int]
+    has_r: bool = False  # a residual added before the activation (forward steps)
 
     @property
     def acc(self) -> tl.dtype:
@@ -212,7 +214,7 @@ class TiledEngine(Engine[BatchNormProblem]):
             )
         if step in ("apply", "forward"):
             apply = launcher(
-                _apply_kernel, tiles_grid, 5, ints, (p.has_b, p.act, packed, *tiles), num_warps=warps
+                _apply_kernel, tiles_grid, 6, ints, (p.has_b, p.has_r, p.act, packed, *tiles), num_warps=warps
             )
             finalizers: dict[tuple[int, int], Callable[..., None]] = {}
 
@@ -234,36 +236,36 @@ class TiledEngine(Engine[BatchNormProblem]):
                 finalize = finalizer(1, 1)
                 size = (4 + 2 * splits if p.training else 4) * p.channels
 
-                def forward_packed(x, w, b, rm, rv, y, count, eps, momentum, p0, p1) -> torch.Tensor:
+                def forward_packed(x, w, b, r, rm, rv, y, count, eps, momentum, p0, p1) -> torch.Tensor:
                     """Returns the workspace: its first two rows are the mean and 1/std."""
                     ws = x.new_empty(size, dtype=stats_dtype)
                     if p.training:
                         stats_finalize(x, w, rm, rv, ws, ws, ws, ws, counters(x), float(count), eps, momentum)
                     else:
                         finalize(ws, x, w, rm, rv, ws, ws, ws, float(count), eps, momentum)
-                    apply(x, ws, ws, b, y, p0, p1)
+                    apply(x, ws, ws, b, r, y, p0, p1)
                     return ws
 
                 return forward_packed
             if step == "forward":
 
-                def forward(x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1) -> None:
+                def forward(x, w, b, r, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1) -> None:
                     """Training: statistics (finalized) and apply; the shift is x[0, :, 0]."""
                     part = mean.new_empty(part_shape)
                     scale = mean.new_empty((2, p.channels))  # scale, mean_lo
                     stats_finalize(
                         x, w, rm, rv, part, mean, rstd, scale, counters(x), float(count), eps, momentum
                     )
-                    apply(x, mean, scale, b, y, p0, p1)
+                    apply(x, mean, scale, b, r, y, p0, p1)
 
                 return forward
 
-            def finalize_apply(x, part, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1):
+            def finalize_apply(x, part, shift, w, b, r, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1):
                 """``part``: (2, k, C) partial sums and ``shift`` (C,) (unread unless training)."""
                 scale = mean.new_empty((2, p.channels))  # scale, mean_lo
                 run = finalizer(part.shape[1] if p.training else 1, 1)
                 run(part, shift, w, rm, rv, mean, rstd, scale, float(count), eps, momentum)
-                apply(x, mean, scale, b, y, p0, p1)
+                apply(x, mean, scale, b, r, y, p0, p1)
 
             return finalize_apply
         reduce = launcher(
@@ -349,17 +351,23 @@ def _stats_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _plan(step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int, timing_args):
-    """The bound launch of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` may be None."""
+def _plan(
+    step: str, x: torch.Tensor, training: bool, update: bool, weight, bias, act: int, timing_args,
+    residual: torch.Tensor | None = None,
+):  # fmt: skip
+    """The bound launch of one step on ``x`` (an (N, C, S) layout); ``weight``/``bias`` and the
+    ``residual`` (laid out as x; forward steps) may be None."""
     dtypes = (x.dtype, (weight if weight is not None else x).dtype, (bias if bias is not None else x).dtype)
+    dtypes += () if residual is None else (residual.dtype,)
     flags = (step, training, update, weight is not None, bias is not None, act)
 
     def problem() -> BatchNormProblem:
         n, c, s, strides = ncs_layout(x)
-        return BatchNormProblem(*flags, tuple(map(dtype_name, dtypes)), n, c, s, strides)
+        names = tuple(map(dtype_name, dtypes))
+        return BatchNormProblem(*flags, names, n, c, s, strides, residual is not None)
 
     # Shape and strides determine the (N, C, S) view: the key needs no layout analysis per call.
-    return FAMILY.plan((*flags, x.shape, x.stride(), *dtypes), problem, timing_args)
+    return FAMILY.plan((*flags, residual is not None, x.shape, x.stride(), *dtypes), problem, timing_args)
 
 
 def _default_shift(x: torch.Tensor) -> torch.Tensor:
@@ -380,7 +388,9 @@ def _partial_stats(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 # 4. torch.library ops and autograd.
 
 
-def _fake_forward(x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1):
+def _fake_forward(
+    x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act, act_p0, act_p1
+):
     stats = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
     return torch.empty_like(x), stats, torch.empty_like(stats)
 
@@ -388,7 +398,7 @@ def _fake_forward(x, weight, bias, running_mean, running_var, training, momentum
 @custom_op(
     "batch_norm",
     "(Tensor x, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
-    "bool training, float momentum, float eps, int act, float act_p0, float act_p1) "
+    "Tensor? residual, bool training, float momentum, float eps, int act, float act_p0, float act_p1) "
     "-> (Tensor, Tensor, Tensor)",
     _fake_forward,
     mutates_args=("running_mean", "running_var"),
@@ -399,6 +409,7 @@ def _forward(
     bias: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
+    residual: torch.Tensor | None,
     training: bool,
     momentum: float,
     eps: float,
@@ -407,47 +418,53 @@ def _forward(
     act_p1: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y in x's layout, mean, 1/std per channel): batch statistics in training (the running ones
-    updated in place if given), running statistics otherwise."""
+    updated in place if given), running statistics otherwise; ``residual`` (x's shape and dtype)
+    is added before the activation."""
     y = torch.empty_like(x)
     mean = x.new_empty(x.shape[1], dtype=_stats_dtype(x))
     rstd = torch.empty_like(mean)
     if x.numel() == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
     x, y = dense_ncs(x, y)
+    residual = None if residual is None else in_layout(residual, y)
     count = x.numel() // x.shape[1]
     if training:  # statistics (the shift is x[0, :, 0]), finalize and apply in one plan
         update = running_mean is not None
-        w, b, rm, rv = (t if t is not None else x for t in (weight, bias, running_mean, running_var))
-        args = (x, w, b, rm, rv, y, mean, rstd, count, eps, momentum, act_p0, act_p1)
+        w, b, r, rm, rv = (
+            t if t is not None else x for t in (weight, bias, residual, running_mean, running_var)
+        )
+        args = (x, w, b, r, rm, rv, y, mean, rstd, count, eps, momentum, act_p0, act_p1)
 
         def timing_args() -> tuple:  # benchmark mode times on copies of the running statistics
-            return (*args[:3], rm.clone(), rv.clone(), *args[5:])
+            return (*args[:4], rm.clone(), rv.clone(), *args[6:])
 
-        _plan("forward", x, True, update, weight, bias, act, timing_args)(*args)
+        _plan("forward", x, True, update, weight, bias, act, timing_args, residual)(*args)
     else:  # the running statistics: no partial sums or shift to read
         _finalize_apply(
             x, x, x, weight, bias, running_mean, running_var, y, mean, rstd, count,
-            False, momentum, eps, act, act_p0, act_p1,
+            False, momentum, eps, act, act_p0, act_p1, residual,
         )  # fmt: skip
     return y, mean, rstd
 
 
 def _finalize_apply(
-    x, part, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1
-):
+    x, part, shift, weight, bias, rm, rv, y, mean, rstd, count, training, momentum, eps, act, p0, p1,
+    residual=None,
+):  # fmt: skip
     """Finalize (2, k, C) partial sums ``part`` about ``shift`` and apply (training), or apply the
-    running statistics (``part`` and ``shift`` unread)."""
+    running statistics (``part`` and ``shift`` unread); ``residual`` is laid out as x."""
     update = training and rm is not None
     w = weight if weight is not None else x  # absent tensors are passed as x and never read
     b = bias if bias is not None else x
+    r = residual if residual is not None else x
     rm = rm if rm is not None else x
     rv = rv if rv is not None else x
-    args = (x, part, shift, w, b, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
+    args = (x, part, shift, w, b, r, rm, rv, y, mean, rstd, count, eps, momentum, p0, p1)
 
     def timing_args() -> tuple:  # benchmark mode times on copies of the running statistics
-        return (*args[:5], rm.clone(), rv.clone(), *args[7:])
+        return (*args[:6], rm.clone(), rv.clone(), *args[8:])
 
-    _plan("apply", x, training, update, weight, bias, act, timing_args)(*args)
+    _plan("apply", x, training, update, weight, bias, act, timing_args, residual)(*args)
 
 
 def _fake_backward(dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db):
@@ -489,27 +506,53 @@ def _backward(
     return dx, dw, db
 
 
+def _through_residual_activation(dy, y, act, p0, p1):
+    """The gradient of ``act(z)`` for z = batch norm + residual: from the saved output y (the
+    activation's input z is not kept); this is also the residual's gradient."""
+    return dy if act == NO_ACTIVATION else _activation_grad(dy, y, act, p0, p1, True)
+
+
 class _BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1
+        ctx,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        residual,
+        training,
+        momentum,
+        eps,
+        act,
+        act_p0,
+        act_p1,
     ):
         y, mean, rstd = _forward(
-            x, weight, bias, running_mean, running_var, training, momentum, eps, act, act_p0, act_p1
+            x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act, act_p0, act_p1
         )
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.params = (training, act, act_p0, act_p1)
+        with_residual = residual is not None
+        ctx.save_for_backward(
+            x, weight, bias, mean, rstd, y if with_residual and act != NO_ACTIVATION else None
+        )
+        ctx.params = (training, act, act_p0, act_p1, with_residual)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        training, act, act_p0, act_p1 = ctx.params
+        x, weight, bias, mean, rstd, y = ctx.saved_tensors
+        training, act, act_p0, act_p1, with_residual = ctx.params
         need_dw, need_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dr = None
+        if with_residual:  # the activation's gradient first, then batch norm's without one
+            dy = dr = _through_residual_activation(dy, y, act, act_p0, act_p1)
+            act = NO_ACTIVATION
         dx, dw, db = _backward(
             dy, x, weight, bias, mean, rstd, training, act, act_p0, act_p1, need_dw, need_db
         )
-        return dx, dw if need_dw else None, db if need_db else None, *([None] * 8)
+        dr = dr if ctx.needs_input_grad[5] else None
+        return dx, dw if need_dw else None, db if need_db else None, None, None, dr, *([None] * 6)
 
 
 class _EagerBatchNorm(torch.autograd.Function):
@@ -518,54 +561,70 @@ class _EagerBatchNorm(torch.autograd.Function):
     the running statistics are updated in place."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, program):
-        y, workspace = program[0](x, weight, bias, running_mean, running_var, momentum)
-        ctx.save_for_backward(x, weight, bias, workspace)
+    def forward(ctx, x, weight, bias, running_mean, running_var, residual, momentum, program):
+        y, workspace = program[0](x, weight, bias, residual, running_mean, running_var, momentum)
+        ctx.save_for_backward(x, weight, bias, workspace, y if program[2] else None)
         ctx.program = program
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, workspace = ctx.saved_tensors
+        x, weight, bias, workspace, y = ctx.saved_tensors
         _, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = ctx.program[1](dy, x, weight, bias, workspace, need_dw, need_db)
-        return dx, dw, db, None, None, None, None
+        dx, dw, db, dr = ctx.program[1](dy, x, weight, bias, workspace, y, need_dw, need_db)
+        return dx, dw, db, None, None, dr if ctx.needs_input_grad[5] else None, None, None
 
 
 _apply_eager = raw_apply(_EagerBatchNorm)
 
 
-def _eager_program(x, weight, bias, running_mean, running_var, training, momentum, eps, act, p0, p1):
-    """``fast(x, weight, bias, running_mean, running_var, momentum, grad) -> y`` for the calls of a
-    validated call's key (``_eager_key``): the work of ``_forward`` (and ``_backward``) through
-    the packed steps' plans, bound here, or None where the call needs the general path's copies
-    (an empty input, or one not dense in its own layout). Arguments as ``_forward``'s."""
+def _eager_program(
+    x, weight, bias, running_mean, running_var, residual, training, momentum, eps, act, p0, p1
+):
+    """``fast(x, weight, bias, residual, running_mean, running_var, momentum, grad) -> y`` for the
+    calls of a validated call's key (``_eager_key``): the work of ``_forward`` (and ``_backward``)
+    through the packed steps' plans, bound here, or None where the call needs the general path's
+    copies (an empty input, an input not dense in its own layout, a residual in another layout).
+    Arguments as ``_forward``'s."""
     y0 = torch.empty_like(x)
     if not x.numel() or x.stride() != y0.stride() or ncs_layout(y0) is None:
+        return None
+    if residual is not None and residual.stride() != x.stride():
         return None
     count = x.numel() // x.shape[1]
     update = training and running_mean is not None
     # Absent tensors are passed as x and never read; which ones are absent is fixed by the key.
-    first = (x, *(t if t is not None else x for t in (weight, bias, running_mean, running_var)))
+    first = (x, *(t if t is not None else x for t in (weight, bias, residual, running_mean, running_var)))
     args = (*first, y0, count, eps, momentum, p0, p1)
     step = "forward_packed" if training else "apply_packed"
     plan = _plan(
         step, x, training, update, weight, bias, act,
-        lambda: (*args[:3], args[3].clone(), args[4].clone(), *args[5:]),  # copies of the running stats
+        lambda: (*args[:4], args[4].clone(), args[5].clone(), *args[6:]),  # copies of the running stats
+        residual,
     )  # fmt: skip
+    # With a residual, the activation's gradient is taken from the saved output (see
+    # _BatchNormFunction) and batch norm's backward runs without one.
+    # (The closures below hold flags, not the first call's tensors.)
+    with_residual = residual is not None
+    keep_output = with_residual and act != NO_ACTIVATION
+    backward_act = NO_ACTIVATION if with_residual else act
 
-    def run(x, weight, bias, rm, rv, momentum):
+    def run(x, weight, bias, r, rm, rv, momentum):
         """(y, the workspace whose first rows are the mean and 1/std)."""
         y = torch.empty_like(x)
         w = weight if weight is not None else x
         b = bias if bias is not None else x
+        r = r if r is not None else x
         rm = rm if rm is not None else x
         rv = rv if rv is not None else x
-        return y, plan(x, w, b, rm, rv, y, count, eps, momentum, p0, p1)
+        return y, plan(x, w, b, r, rm, rv, y, count, eps, momentum, p0, p1)
 
     backward_plan: list = [None, None]  # (config version, plan): looked up on the first backward
 
-    def backward(dy, x, weight, bias, workspace, need_dw, need_db):
+    def backward(dy, x, weight, bias, workspace, y, need_dw, need_db):
+        dr = None
+        if with_residual:
+            dy = dr = _through_residual_activation(dy, y, act, p0, p1)
         dx = torch.empty_like(x)
         dy = in_layout(dy, dx)
         w = weight if weight is not None else x
@@ -574,17 +633,17 @@ def _eager_program(x, weight, bias, running_mean, running_var, training, momentu
         db = torch.empty_like(bias) if need_db else None
         args = (dy, x, workspace, workspace, w, b, dx, dw, db, count, p0, p1)
         if backward_plan[0] != config.version:
-            plan = _plan("backward_packed", dx, training, False, weight, bias, act, lambda: args)
+            plan = _plan("backward_packed", dx, training, False, weight, bias, backward_act, lambda: args)
             backward_plan[:] = config.version, plan
         backward_plan[1](*args)
-        return dx, dw, db
+        return dx, dw, db, dr
 
-    program = (run, backward)
+    program = (run, backward, keep_output)
 
-    def fast(x, weight, bias, running_mean, running_var, momentum, grad):
+    def fast(x, weight, bias, residual, running_mean, running_var, momentum, grad):
         if grad:
-            return _apply_eager(x, weight, bias, running_mean, running_var, momentum, program)
-        return run(x, weight, bias, running_mean, running_var, momentum)[0]
+            return _apply_eager(x, weight, bias, running_mean, running_var, residual, momentum, program)
+        return run(x, weight, bias, residual, running_mean, running_var, momentum)[0]
 
     return fast
 
@@ -597,7 +656,9 @@ def _eager_program(x, weight, bias, running_mean, running_var, training, momentu
 _eager: dict[tuple, Callable[..., torch.Tensor]] = {}
 
 
-def _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation) -> tuple | None:
+def _eager_key(
+    input, running_mean, running_var, weight, bias, training, eps, activation, residual
+) -> tuple | None:
     """The fast path's key of a call on plain tensors: everything the argument checks and the plans
     depend on (types, shapes, strides, dtypes, devices, flags, eps, the config version) but
     momentum, checked on each call (with momentum=None the module passes a new factor each step).
@@ -611,9 +672,12 @@ def _eager_key(input, running_mean, running_var, weight, bias, training, eps, ac
     for t in params:
         if t is not None and (type(t) not in PLAIN_TENSORS or not t.is_contiguous()):
             return None
+    if residual is not None and type(residual) not in PLAIN_TENSORS:
+        return None
     return (
         config.version, input.shape, input.stride(), input.dtype, input.device, training, eps, type(eps),
         activation, *[None if t is None else (t.shape, t.dtype, t.device) for t in params],
+        None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
     )  # fmt: skip
 
 
@@ -621,6 +685,21 @@ def _check_channels(op: str, input: torch.Tensor, **tensors: torch.Tensor | None
     check_tensor(op, "input", input, min_ndim=2)
     for name, value in tensors.items():
         check_affine(op, name, value, (input.shape[1],), input)
+
+
+def _check_residual(op: str, input: torch.Tensor, residual, act: int, p0: float, activation) -> None:
+    """A residual is a tensor of the input's shape, dtype and device; the activation after it must
+    have a gradient that its output determines (the backward keeps the output, not the sum)."""
+    if residual is None:
+        return
+    check_like(op, "residual", residual, "input", input)
+    if residual.dtype != input.dtype:
+        raise TypeError(f"{op}: 'residual' has dtype {residual.dtype} but 'input' has {input.dtype}")
+    if act != NO_ACTIVATION and not saves_output(act, p0):
+        raise ValueError(
+            f"{op}: activation={activation!r} with a residual is not supported: its gradient does not "
+            "follow from its output (relu, sigmoid and tanh's do)"
+        )
 
 
 def _unit_stride(op: str, *vectors: torch.Tensor | None, **running: torch.Tensor | None) -> list:
@@ -644,8 +723,11 @@ def batch_norm(
     eps: float = 1e-5,
     *,
     activation: str | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.batch_norm``, with cuDNN's fused activation (``activation="relu"`` for BN + ReLU).
+    """``F.batch_norm``, with cuDNN's fused activation (``activation="relu"`` for BN + ReLU) and
+    residual add: ``activation(batch_norm(input) + residual)`` (cuDNN's BN-add-ReLU, the end of a
+    ResNet block) in one pass.
 
     Args:
         input: (N, C, *spatial) fp16/bf16/fp32, contiguous or channels_last (read in place; the
@@ -655,6 +737,10 @@ def batch_norm(
             required when not training.
         weight, bias: (C,) tensors of any float dtype, or None.
         training: normalize with the batch's statistics (else with the running ones).
+        activation: a fused activation name (``"relu"``, ``"silu"``, ...), or None.
+        residual: a tensor of the input's shape and dtype (any layout), added before the
+            activation; with one, the activation must be one whose gradient follows from its
+            output (relu, sigmoid, tanh): the output is kept for the backward instead of the sum.
 
     The saved statistics are fp32; the sums behind them are of ``x - shift`` with a per-channel
     sample as the shift, so a mean of 1e4 over a unit variance keeps its digits.
@@ -663,7 +749,7 @@ def batch_norm(
     dtypes, devices, flags, eps, the config version); later calls with that key check only the
     momentum and run prepared plans (about a third of the host time of a checked call).
     """
-    key = _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation)
+    key = _eager_key(input, running_mean, running_var, weight, bias, training, eps, activation, residual)
     if key is not None:
         fast = _eager.get(key)
         # momentum is checked here, as check_float would (a real number, finite, not a bool).
@@ -675,7 +761,8 @@ def batch_norm(
                 or (weight is not None and weight.requires_grad)
                 or (bias is not None and bias.requires_grad)
             )
-            return fast(input, weight, bias, running_mean, running_var, float(momentum), grad)
+            grad = grad or (residual is not None and residual.requires_grad and torch.is_grad_enabled())
+            return fast(input, weight, bias, residual, running_mean, running_var, float(momentum), grad)
     op = "tdnn.batch_norm"
     _check_channels(op, input, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     if (running_mean is None) != (running_var is None):
@@ -689,14 +776,30 @@ def batch_norm(
     momentum = check_float(op, "momentum", momentum)
     eps = check_eps(op, eps)
     act, p0, p1 = activation_kind(activation, op)
+    _check_residual(op, input, residual, act, p0, activation)
     weight, bias = _unit_stride(op, weight, bias, running_mean=running_mean, running_var=running_var)
-    args = (input, weight, bias, running_mean, running_var, bool(training), momentum, eps, act, p0, p1)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
+    args = (
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        residual,
+        bool(training),
+        momentum,
+        eps,
+        act,
+        p0,
+        p1,
+    )
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, weight, bias, residual)
+    )
     if key is not None:  # validated: later calls with this key skip the checks
         fast = _eager_program(*args)
         if fast is not None:
             _eager[key] = fast
-            return fast(input, weight, bias, running_mean, running_var, momentum, grad)
+            return fast(input, weight, bias, residual, running_mean, running_var, momentum, grad)
     if grad:
         return _BatchNormFunction.apply(*args)
     return _forward(*args)[0]

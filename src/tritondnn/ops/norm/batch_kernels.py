@@ -231,13 +231,14 @@ def _finalize_kernel(
 
 @triton.jit
 def _apply_kernel(
-    x_ptr, mean_ptr, scale_ptr, b_ptr, y_ptr,
+    x_ptr, mean_ptr, scale_ptr, b_ptr, r_ptr, y_ptr,
     act_p0, act_p1,
     n_rows, n_channels, spatial, stride_n, stride_c, stride_s,
-    HAS_B: tl.constexpr, ACT: tl.constexpr, PACKED: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_R: tl.constexpr, ACT: tl.constexpr, PACKED: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """y = act((x - mean[c] - mean_lo[c]) * scale[c] + b[c]) with scale and mean_lo the rows of
+    """y = act((x - mean[c] - mean_lo[c]) * scale[c] + b[c] + r) (r: the residual, laid out as x,
+    when HAS_R) with scale and mean_lo the rows of
     the (2, C) buffer the finalize kernel wrote (rows 2 and 3 of the workspace ``mean`` when
     PACKED). Subtracting the mean first keeps the digits a folded x * scale + (b - mean * scale)
     would cancel away for large means. Grid: (row blocks x channel blocks,), see _reversed."""
@@ -253,6 +254,8 @@ def _apply_kernel(
     y = ((convert(tl.load(x_ptr + offs, mask=mask, other=0.0), mean.dtype) - mean) - mean_lo) * scale
     if HAS_B:
         y = y + convert(tl.load(b_ptr + c, mask=c < n_channels, other=0.0), mean.dtype)
+    if HAS_R:
+        y = y + convert(tl.load(r_ptr + offs, mask=mask, other=0.0), mean.dtype)
     if ACT >= 0:
         y = activation_value(y, ACT, act_p0, act_p1)
     tl.store(y_ptr + offs, convert(y, y_ptr.dtype.element_ty), mask=mask)

@@ -5,7 +5,7 @@
     python examples/train_models.py --steps 3          # on a CPU: tiny versions, Triton's interpreter
 
 The models are defined in tritondnn.bench.models (no weights downloaded). For each, two copies
-start from the same weights (one seed); one is patched with ``tdnn.nn.patch(model, sdpa=True)``;
+start from the same weights (one seed); one is patched with ``tdnn.nn.patch(model, sdpa=True, fuse=True)``;
 both train on the same random batches (bf16 autocast on a GPU, fp32 on a CPU). The script prints
 both loss curves and the median step times, and exits with 1 if the losses part by more than
 ``loss_tolerance``.

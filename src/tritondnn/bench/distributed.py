@@ -205,7 +205,7 @@ def _prepare(w: Workload, provider: str, wrapper: str | None) -> nn.Module:
     if wrapper in WRAPPERS:
         model = (SyncBatchNorm if provider == "tritondnn" else nn.SyncBatchNorm).convert_sync_batchnorm(model)
     if provider == "tritondnn":
-        patch(model, sdpa=True)
+        patch(model, sdpa=True, fuse=True)
     model = model.to(DEVICE_TYPE)
     if w.channels_last and wrapper != "fsdp2":  # FSDP2 refuses parameters that are not contiguous
         model = model.to(memory_format=torch.channels_last)

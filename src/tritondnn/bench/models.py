@@ -200,7 +200,7 @@ def _pair(w: Workload) -> tuple[nn.Module, nn.Module]:
     if w.channels_last:
         plain = plain.to(memory_format=torch.channels_last)
     ours = copy.deepcopy(plain)
-    patch(ours, sdpa=True)
+    patch(ours, sdpa=True, fuse=True)
     return ours, plain
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from .. import ops
 from ..core.backend import ON_DEVICE_ATTR
 from ..core.errors import NotSupportedError
+from ..core.library import PLAIN_TENSORS as _PLAIN
 
 _warned: set[str] = set()
 
@@ -193,7 +194,8 @@ class _BatchNormMixin:
     """torch's ``_BatchNorm.forward`` (momentum None = cumulative average, num_batches_tracked,
     running statistics used in eval) with ``tdnn.batch_norm``."""
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def _batch_norm_args(self, input: torch.Tensor) -> tuple:
+        """F.batch_norm's arguments for this call; counts the batch (num_batches_tracked)."""
         self._check_input_dim(input)
         running_mean, running_var, weight, bias, batches = _bn_state(self)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -204,8 +206,36 @@ class _BatchNormMixin:
         use_running = not self.training or self.track_running_stats
         rm = running_mean if use_running else None
         rv = running_var if use_running else None
-        args = (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
+        return (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = self._batch_norm_args(input)
         return run_or_fallback(self, input, lambda: ops.norm.batch_norm(*args), lambda: F.batch_norm(*args))
+
+    def forward_relu(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``relu(self(input) + residual)`` (or ``relu(self(input))``) as one fused op, for
+        ``Sequential`` and patch-time fusion (see fusion.py); a residual tdnn.batch_norm cannot
+        take (another shape or dtype: torch would broadcast or promote) is added unfused."""
+        args = self._batch_norm_args(input)
+
+        def ours() -> torch.Tensor:
+            if residual is None or (
+                type(residual) in _PLAIN and residual.shape == input.shape and residual.dtype == input.dtype
+            ):
+                return ops.norm.batch_norm(*args, activation="relu", residual=residual)
+            return ops.activation.relu(ops.norm.batch_norm(*args) + residual)
+
+        def theirs() -> torch.Tensor:
+            y = F.batch_norm(*args)
+            return F.relu(y if residual is None else y + residual)
+
+        return run_or_fallback(self, input, ours, theirs)
+
+
+def fusable_batch_norm(module: object) -> bool:
+    """A tritondnn batch norm whose forward is ours (not a subclass's own): ``forward_relu`` may
+    stand in for its call."""
+    return isinstance(module, _BatchNormMixin) and type(module).forward is _BatchNormMixin.forward
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -582,23 +612,24 @@ class Sequential(nn.Sequential):
     """``torch.nn.Sequential`` that runs a Linear followed by a GELU, ReLU, SiLU, Sigmoid or Tanh
     (both tritondnn's) as one ``tdnn.linear`` with the activation in its epilogue: one kernel
     instead of two in the forward pass and in the backward pass (the activation's gradient joins
-    the bias gradient's kernel), as cuDNN's runtime fusion joins a matmul and a pointwise op. A
-    module with hooks, or an input off the backend's device, runs module by module as torch's."""
+    the bias gradient's kernel), as cuDNN's runtime fusion joins a matmul and a pointwise op; and
+    a BatchNorm followed by a ReLU as one ``tdnn.batch_norm(..., activation="relu")``. A module
+    with hooks, or an input off the backend's device, runs module by module as torch's."""
 
     def forward(self, input: Any) -> Any:
         modules = list(self._modules.values())
         i = 0
         while i < len(modules):
             module = modules[i]
-            act = (
-                _fusable_activation(modules[i + 1])
-                if type(module) is Linear and i + 1 < len(modules)
-                else None
-            )
-            if act is not None and on_backend(input) and not (_hooked(module) or _hooked(modules[i + 1])):
-                input = _linear_activation(module, modules[i + 1], act, input)
+            then = modules[i + 1] if i + 1 < len(modules) else None
+            pair = then is not None and on_backend(input) and not (_hooked(module) or _hooked(then))
+            if pair and type(module) is Linear and _fusable_activation(then) is not None:
+                input = _linear_activation(module, then, _fusable_activation(then), input)
                 i += 2
-                continue
-            input = module(input)
-            i += 1
+            elif pair and fusable_batch_norm(module) and type(then) is ReLU:
+                input = module.forward_relu(input)
+                i += 2
+            else:
+                input = module(input)
+                i += 1
         return input

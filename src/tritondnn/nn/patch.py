@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from . import attention, layers, rnn, sync_batchnorm
+from . import attention, fusion, layers, rnn, sync_batchnorm
 
 # torch.nn class -> tritondnn class, filled from the modules that subclass exactly one of torch's.
 SUPPORTED: dict[type[nn.Module], type[nn.Module]] = {}
@@ -48,11 +48,13 @@ Selector = type[nn.Module] | str
 class PatchReport:
     """What ``patch`` did: ``replaced`` (qualified name, class) and ``skipped`` (qualified name,
     class, reason), in module order; ``sdpa`` whether ``F.scaled_dot_product_attention`` is routed
-    through ``tdnn.sdpa`` during the model's forward."""
+    through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified batch norm name,
+    pattern) for each batch norm that ``fuse=True`` joined with what follows it."""
 
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     sdpa: bool = False
+    fused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"tritondnn.nn.patch: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
@@ -60,6 +62,7 @@ class PatchReport:
         lines += [f"  skipped  {name or '<root>'} ({cls}): {why}" for name, cls, why in self.skipped]
         if self.sdpa:
             lines.append("  F.scaled_dot_product_attention routed through tdnn.sdpa in forward")
+        lines += [f"  fused    {name} ({pattern})" for name, pattern in self.fused]
         return "\n".join(lines)
 
 
@@ -80,6 +83,7 @@ def patch(
     include: Iterable[Selector] | None = None,
     exclude: Iterable[Selector] | None = None,
     sdpa: bool = False,
+    fuse: bool = False,
 ) -> PatchReport:
     """Swap tritondnn's module for every supported torch.nn submodule of ``model`` (the model too).
 
@@ -90,6 +94,11 @@ def patch(
         exclude: modules matching one of these are left alone.
         sdpa: also route ``F.scaled_dot_product_attention`` calls made during ``model``'s forward
             through ``tdnn.sdpa`` (for models that call it directly, e.g. HuggingFace's).
+        fuse: also rewrite the forward of the model's own modules (not torch.nn's) where it runs
+            a batch norm into a ReLU, with or without a residual add between them (a ResNet
+            block's ``relu(bn(conv(x)))`` and ``relu(bn(conv(y)) + x)``), to call one fused
+            ``tdnn.batch_norm``; see ``tritondnn.nn.fusion`` for what tracing fixes. Patched
+            ``Sequential`` containers fuse BatchNorm + ReLU either way.
 
     Returns:
         A ``PatchReport``: what was replaced, and what was skipped and why (excluded, a user
@@ -123,13 +132,17 @@ def patch(
             model.register_forward_hook(attention.exit_routing, always_call=True),
         )
     report.sdpa = bool(getattr(model, "_tdnn_sdpa_hooks", None))
+    if fuse:
+        fused, skipped = fusion.fuse_batch_norm_relu(model, lambda name, m: not _matches(name, m, exclude))
+        report.fused += fused
+        report.skipped += skipped
     return report
 
 
 def unpatch(model: nn.Module) -> int:
-    """Give every tritondnn module in ``model`` its torch.nn class back and stop routing sdpa;
-    returns how many modules changed."""
-    count = 0
+    """Give every tritondnn module in ``model`` its torch.nn class back, every fused module its
+    class's forward, and stop routing sdpa; returns how many modules changed."""
+    count = fusion.unfuse(model)
     for module in model.modules():
         original = _ORIGINAL.get(type(module))
         if original is not None:

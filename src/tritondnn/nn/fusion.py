@@ -1,0 +1,182 @@
+"""Patch-time fusion: batch norm and the ReLU after it, with a residual add between them or not,
+as one ``tdnn.batch_norm(..., activation="relu", residual=...)`` (cuDNN's BN-ReLU and
+BN-add-ReLU).
+
+A model's own modules (a ResNet block, say) call their children from Python: which module's
+output feeds which is only visible in ``forward``'s code. ``fuse_batch_norm_relu`` traces each
+such module's forward with torch.fx, its children left as calls (not traced into), finds
+
+    y = relu(bn(x))            and        y = relu(bn(x) + r)   (or r + bn(x), or bn(x) += r)
+
+where nothing else reads the intermediate values, and replaces the module's forward with the
+rewritten graph: one op instead of two or three, forward and backward, and no intermediate
+tensors. The graph calls the same child modules (their parameters, buffers, train/eval state),
+so ``state_dict``, the optimizer and ``train()``/``eval()`` are unaffected.
+
+The traced graph fixes the Python control flow of the forward it recorded: a module whose traced
+code differs between train and eval mode, or that cannot be traced, is left alone and reported.
+Tracing also records ``a += b`` as ``a = a + b`` (an augmented assignment on a traced value), so
+a forward that relies on such an add changing a tensor seen elsewhere must not be fused. Hooks
+registered on the fused modules after patching are not called for the fused pair.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .layers import ReLU, _BatchNormMixin, _hooked, fusable_batch_norm
+
+# The marker on a module whose forward was replaced: unpatch deletes the instance attribute.
+FUSED_FORWARD = "_tdnn_fused_forward"
+
+_RELU_FUNCTIONS = (F.relu, torch.relu, torch.relu_, F.relu_)
+_ADD_FUNCTIONS = (operator.add, torch.add)
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    """Records calls of every child module as single nodes: only the traced module's own code."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def batch_norm_relu(module: _BatchNormMixin, input: torch.Tensor, residual: torch.Tensor | None) -> Any:
+    """``relu(module(input) + residual)`` (or without the residual) as one op: what a fused graph
+    calls in place of the batch norm node and the nodes it absorbed."""
+    return module.forward_relu(input, residual)
+
+
+def _is_relu(node: fx.Node, source: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` is relu of ``source`` alone: a ReLU module without hooks, F.relu /
+    torch.relu (in place or not), or ``source.relu()``."""
+    if node.args[:1] != (source,):
+        return False
+    if node.op == "call_module":
+        m = root.get_submodule(node.target)
+        return type(m) in (nn.ReLU, ReLU) and len(node.args) == 1 and not node.kwargs and not _hooked(m)
+    if node.op == "call_function" and node.target in _RELU_FUNCTIONS:
+        return len(node.args) == 1 and set(node.kwargs) <= {"inplace"}
+    return node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1
+
+
+def _residual_of(node: fx.Node, source: fx.Node) -> fx.Node | None:
+    """The other operand where ``node`` adds ``source`` and one other node (no alpha); an in-place
+    add only with ``source`` as the one written (the residual must not change)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    other = b if a is source else a if b is source else None
+    if not isinstance(other, fx.Node) or other is source:
+        return None
+    if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
+        return other
+    if (node.op == "call_function" and node.target is operator.iadd) or (
+        node.op == "call_method" and node.target == "add_"
+    ):
+        return other if a is source else None
+    if node.op == "call_method" and node.target == "add" and a is source:
+        return other
+    return None
+
+
+def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
+    """Replace each fusable pattern in ``graph`` with one ``batch_norm_relu`` call; returns the
+    (batch norm's name, pattern) of each."""
+    fused = []
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or len(node.users) != 1:
+            continue
+        bn = root.get_submodule(node.target)
+        if not fusable_batch_norm(bn) or _hooked(bn):
+            continue
+        (user,) = node.users
+        residual, last, pattern = None, user, "batch_norm+relu"
+        if not _is_relu(user, node, root):
+            residual = _residual_of(user, node)
+            if residual is None or len(user.users) != 1:
+                continue
+            (last,) = user.users
+            if not _is_relu(last, user, root):
+                continue
+            pattern = "batch_norm+add+relu"
+        # The residual may be computed after the batch norm: the fused call goes where the last
+        # absorbed node was, after every operand.
+        with graph.inserting_before(last):
+            module_ref = graph.get_attr(node.target)
+            call = graph.call_function(batch_norm_relu, (module_ref, node.args[0], residual))
+        last.replace_all_uses_with(call)
+        for dead in (last, user, node) if last is not user else (last, node):
+            graph.erase_node(dead)
+        fused.append((str(node.target), pattern))
+    graph.lint()
+    return fused
+
+
+def _own_module(module: nn.Module) -> bool:
+    """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm
+    of tritondnn's among its direct children."""
+    cls = type(module)
+    if cls.__module__.startswith(("torch.", f"{__package__}.")):
+        return False
+    return any(fusable_batch_norm(child) for child in module.children())
+
+
+def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
+    """The module's forward graph (children as calls), or None and why not."""
+    modes = [(m, m.training) for m in module.modules()]
+    graphs = []
+    try:
+        for training in (True, False):
+            module.train(training)
+            graphs.append(_ChildrenAsLeaves().trace(module))
+    except Exception as e:
+        return None, f"not traceable by torch.fx ({type(e).__name__}: {e})"
+    finally:
+        for m, training in modes:
+            m.training = training
+    if str(graphs[0]) != str(graphs[1]):
+        return None, "its forward's code depends on train/eval mode"
+    return graphs[0], ""
+
+
+def fuse_batch_norm_relu(
+    model: nn.Module, selected: Callable[[str, nn.Module], bool]
+) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+    """Rewrite the forward of each of ``model``'s own modules (``selected`` by name and module)
+    whose code runs batch norm then ReLU. Returns (fused: qualified batch norm name and pattern,
+    skipped: module name, class and why)."""
+    fused: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str, str]] = []
+    for name, module in model.named_modules():
+        if FUSED_FORWARD in vars(module) or not _own_module(module) or not selected(name, module):
+            continue
+        graph, why = _trace(module)
+        if graph is None:
+            skipped.append((name, type(module).__name__, why))
+            continue
+        sites = _rewrite(graph, module)
+        if not sites:
+            continue
+        # The GraphModule holds the same child modules (not copies); the forward it compiled
+        # becomes this instance's.
+        rewritten = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Fused")
+        module.forward = rewritten.forward
+        setattr(module, FUSED_FORWARD, True)
+        fused += [(f"{name}.{target}" if name else target, pattern) for target, pattern in sites]
+    return fused, skipped
+
+
+def unfuse(model: nn.Module) -> int:
+    """Give every fused module its class's forward back; returns how many changed."""
+    count = 0
+    for module in model.modules():
+        if vars(module).pop(FUSED_FORWARD, None):
+            del module.forward
+            count += 1
+    return count

@@ -1,0 +1,208 @@
+"""patch(model, fuse=True): batch norm + ReLU, with a residual add or without, rewritten into one
+tdnn.batch_norm call in a model's own modules; Sequential's BatchNorm + ReLU. Values, gradients
+and running statistics as the unfused model's (against float64), what is left alone and why,
+unpatch, copies."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_layers import _run
+from torch import nn
+
+import tritondnn as tdnn
+import tritondnn.nn as tnn
+from helpers import DEVICE, assert_close, randn
+
+# How a block may apply the ReLU and add the residual: all are fused.
+RELUS = {
+    "module": lambda block, t: block.relu(t),
+    "F.relu": lambda block, t: F.relu(t, inplace=True),
+    "torch.relu": lambda block, t: torch.relu(t),
+    "method": lambda block, t: t.relu(),
+}
+ADDS = {
+    "a + r": operator.add,
+    "r + a": lambda a, r: r + a,
+    "torch.add": torch.add,
+    "a += r": operator.iadd,
+    "a.add_(r)": lambda a, r: a.add_(r),
+}
+
+
+class Block(nn.Module):
+    """A ResNet bottleneck-like block: relu(bn1(conv1(x))), then relu(bn2(conv2(y)) + skip)."""
+
+    def __init__(self, channels: int, relu: str = "module", add: str = "a + r") -> None:
+        super().__init__()
+        self.conv1, self.bn1 = (
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+        )
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.relu_fn, self.add_fn = RELUS[relu], ADDS[add]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu_fn(self, self.bn1(self.conv1(x)))
+        return self.relu_fn(self, self.add_fn(self.bn2(self.conv2(y)), x))
+
+
+def _pair(make, **patch_args):
+    torch.manual_seed(0)
+    model = make().to(DEVICE)
+    ours = copy.deepcopy(model)
+    return model, ours, tnn.patch(ours, fuse=True, **patch_args)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The (activation, has residual) of every tdnn.batch_norm call; unfused ReLUs would fail."""
+    calls = []
+    real = tdnn.ops.norm.batch_norm
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("activation"), kwargs.get("residual") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tdnn.ops.norm, "batch_norm", recording)
+    monkeypatch.setattr(tdnn.ops.activation, "relu", None)
+    return calls
+
+
+def _compare_steps(model, ours, x, what, steps=2):
+    """Train-mode steps (fresh data), then eval: outputs, every gradient and the running
+    statistics against the float64 model and torch's error."""
+    wide = copy.deepcopy(model).double()
+    for step in range(steps):
+        xs = x + step
+        got, dgot = _run(ours, xs, step)
+        same, dsame = _run(model, xs, step)
+        ref, dref = _run(wide, xs.double(), step)
+        assert_close(got, ref, same, f"{what} step {step} output")
+        for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+            assert_close(a, b, c, f"{what} step {step} gradient {i}")
+    for a, b, c in zip(ours.buffers(), wide.buffers(), model.buffers()):
+        if a.is_floating_point():
+            assert_close(a, b, c, f"{what} buffers")
+        else:
+            assert torch.equal(a, c), f"{what} num_batches_tracked"
+    for m in (model, ours, wide):
+        m.eval()
+    assert_close(ours(x), wide(x.double()), model(x), f"{what} eval")
+
+
+@pytest.mark.parametrize("relu", list(RELUS))
+def test_block_relu_forms_are_fused(relu, fused_calls):
+    model, ours, report = _pair(lambda: Block(4, relu=relu))
+    assert report.fused == [("bn1", "batch_norm+relu"), ("bn2", "batch_norm+add+relu")]
+    _compare_steps(model, ours, randn(2, 4, 6, 5), relu)
+    assert fused_calls[:2] == [("relu", False), ("relu", True)]
+
+
+@pytest.mark.parametrize("add", list(ADDS))
+def test_block_add_forms_are_fused(add, fused_calls):
+    model, ours, report = _pair(lambda: Block(4, add=add))
+    assert ("bn2", "batch_norm+add+relu") in report.fused
+    _compare_steps(model, ours, randn(2, 4, 6, 5), add)
+
+
+def test_channels_last_resnet_blocks(fused_calls):
+    """The bench's ResNet (stem Sequential, bottlenecks with projected and identity skips) in
+    channels_last: every batch norm but the projections' is fused."""
+    from tritondnn.bench.models import ResNet
+
+    model, ours, report = _pair(lambda: ResNet((1, 1), 4, 10).to(memory_format=torch.channels_last))
+    assert len(report.fused) == 6 and all(name.startswith("layers.") for name, _ in report.fused)
+    x = randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    _compare_steps(model, ours, x, "resnet")
+    assert ("relu", False) in fused_calls  # the stem's BatchNorm + ReLU, in its Sequential
+
+
+def _no_op_hook(module, inputs, output):
+    return None
+
+
+class Shared(nn.Module):
+    """Patterns that must stay apart: a batch norm output read twice, an add that writes the
+    residual, an add with alpha, a hooked ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn1, self.bn2, self.bn3, self.bn4 = (nn.BatchNorm1d(3) for _ in range(4))
+        self.relu, self.hooked = nn.ReLU(), nn.ReLU()
+        self.hooked.register_forward_hook(_no_op_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.bn1(x)
+        y = self.relu(a) + a
+        r = x.clone().add_(self.bn2(x))  # writes into the other operand: not bn2's output + r
+        y = y + self.relu(r) + torch.relu(torch.add(self.bn3(x), x, alpha=2.0))
+        return y + self.hooked(self.bn4(x))
+
+
+def test_patterns_that_are_not_fused():
+    model, ours, report = _pair(Shared)
+    assert report.fused == [] and "forward" not in vars(ours)
+    _compare_steps(model, ours, randn(5, 3), "shared")
+
+
+class ModeDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        return F.relu(y) if self.training else y
+
+
+class DataDependent(ModeDependent):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        return F.relu(y) if x.abs().sum() > 0 else y  # a condition on values: fx cannot trace it
+
+
+@pytest.mark.parametrize(
+    ("make", "why"), [(ModeDependent, "depends on train/eval mode"), (DataDependent, "not traceable")]
+)
+def test_modules_left_alone_are_reported(make, why):
+    model, ours, report = _pair(make)
+    assert report.fused == [] and "forward" not in vars(ours)
+    assert [name for name, _, _ in report.skipped] == [""] and why in report.skipped[0][2]
+    _compare_steps(model, ours, randn(5, 3), make.__name__)
+
+
+def test_broadcast_residual_is_added_unfused(fused_calls, monkeypatch):
+    """A residual of another shape (broadcast by torch) or dtype: batch norm + ReLU stay right."""
+
+    class Broadcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.relu = nn.BatchNorm2d(4), nn.ReLU()
+            self.scale = nn.Parameter(torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            return self.relu(self.bn(x) + self.scale)
+
+    monkeypatch.setattr(tdnn.ops.activation, "relu", torch.relu)
+    model, ours, report = _pair(Broadcast)
+    assert report.fused == [("bn", "batch_norm+add+relu")]
+    _compare_steps(model, ours, randn(2, 4, 3, 3), "broadcast")
+
+
+def test_unpatch_copies_and_state_dict():
+    model, ours, report = _pair(lambda: Block(4))
+    assert set(ours.state_dict()) == set(model.state_dict())
+    twin = copy.deepcopy(ours)  # the copy's forward uses the copy's modules
+    assert twin.forward.__self__.bn1 is twin.bn1 and twin.bn1 is not ours.bn1
+    x = randn(2, 4, 6, 5)
+    assert_close(twin(x), ours(x), what="deep copy")
+    assert tnn.unpatch(ours) > 0 and "forward" not in vars(ours)
+    assert type(ours.bn1) is nn.BatchNorm2d
+    assert_close(ours(x), model(x), what="unpatched")
+    assert "fused    bn1 (batch_norm+relu)" in str(report)

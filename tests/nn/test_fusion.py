@@ -16,7 +16,8 @@ from torch import nn
 
 import tritondnn as tdnn
 import tritondnn.nn as tnn
-from helpers import DEVICE, assert_close, randn
+from helpers import DEVICE, ON_GPU, assert_close, randn
+from tritondnn.nn import conv_bn
 
 # How a block may apply the ReLU and add the residual: all are fused.
 RELUS = {
@@ -64,6 +65,7 @@ def fused_calls(monkeypatch):
     """The (activation, has residual) of every tdnn.batch_norm call; unfused ReLUs would fail."""
     calls = []
     real = tdnn.ops.norm.batch_norm
+    monkeypatch.setattr(conv_bn, "_programs", {})  # the first call of each pair runs unfused
 
     def recording(*args, **kwargs):
         calls.append((kwargs.get("activation"), kwargs.get("residual") is not None))
@@ -74,7 +76,7 @@ def fused_calls(monkeypatch):
     return calls
 
 
-def _compare_steps(model, ours, x, what, steps=2):
+def _compare_steps(model, ours, x, what, steps=3):
     """Train-mode steps (fresh data), then eval: outputs, every gradient and the running
     statistics against the float64 model and torch's error."""
     wide = copy.deepcopy(model).double()
@@ -99,7 +101,7 @@ def _compare_steps(model, ours, x, what, steps=2):
 @pytest.mark.parametrize("relu", list(RELUS))
 def test_block_relu_forms_are_fused(relu, fused_calls):
     model, ours, report = _pair(lambda: Block(4, relu=relu))
-    assert report.fused == [("bn1", "batch_norm+relu"), ("bn2", "batch_norm+add+relu")]
+    assert report.fused == [("bn1", "conv+batch_norm+relu"), ("bn2", "conv+batch_norm+add+relu")]
     _compare_steps(model, ours, randn(2, 4, 6, 5), relu)
     assert fused_calls[:2] == [("relu", False), ("relu", True)]
 
@@ -107,7 +109,7 @@ def test_block_relu_forms_are_fused(relu, fused_calls):
 @pytest.mark.parametrize("add", list(ADDS))
 def test_block_add_forms_are_fused(add, fused_calls):
     model, ours, report = _pair(lambda: Block(4, add=add))
-    assert ("bn2", "batch_norm+add+relu") in report.fused
+    assert ("bn2", "conv+batch_norm+add+relu") in report.fused
     _compare_steps(model, ours, randn(2, 4, 6, 5), add)
 
 
@@ -118,9 +120,11 @@ def test_channels_last_resnet_blocks(fused_calls):
 
     model, ours, report = _pair(lambda: ResNet((1, 1), 4, 10).to(memory_format=torch.channels_last))
     assert len(report.fused) == 6 and all(name.startswith("layers.") for name, _ in report.fused)
+    assert ("layers.0.skip.1", "conv+batch_norm") not in report.fused  # a Sequential's own fusion
     x = randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last)
     _compare_steps(model, ours, x, "resnet")
     assert ("relu", False) in fused_calls  # the stem's BatchNorm + ReLU, in its Sequential
+    assert len(conv_bn._programs) >= 9  # every conv + batch norm pair took the fused node
 
 
 def _no_op_hook(module, inputs, output):
@@ -205,4 +209,58 @@ def test_unpatch_copies_and_state_dict():
     assert tnn.unpatch(ours) > 0 and "forward" not in vars(ours)
     assert type(ours.bn1) is nn.BatchNorm2d
     assert_close(ours(x), model(x), what="unpatched")
-    assert "fused    bn1 (batch_norm+relu)" in str(report)
+    assert "fused    bn1 (conv+batch_norm+relu)" in str(report)
+
+
+@pytest.fixture
+def node_calls(monkeypatch):
+    """How many calls ran as one fused conv + batch norm autograd node; a fresh program cache."""
+    monkeypatch.setattr(conv_bn, "_programs", {})
+    calls = []
+    real = conv_bn._apply
+    monkeypatch.setattr(conv_bn, "_apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_conv_batch_norm_under_autocast(node_calls, monkeypatch):
+    """Autocast (bf16 on the GPU, fp16 under the interpreter, whose bf16 dot is wrong): the fp32
+    weight is cast inside the fused node and its gradient comes back in fp32, as autocast's own
+    cast gives it. The node runs the same kernels as the two modules called one after the other,
+    so outputs, gradients (dtypes, layouts) and running statistics match theirs bit for bit over
+    three channels_last training steps (the unfused path is checked against torch above)."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    _, ours, _ = _pair(lambda: Block(8).to(memory_format=torch.channels_last))
+    apart = copy.deepcopy(ours)
+    for step in range(3):
+        x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
+        runs = []
+        for model, fused in ((ours, True), (apart, False)):
+            with monkeypatch.context() as m:
+                if not fused:
+                    m.setattr(conv_bn, "_key", lambda *args: None)  # every call runs the modules
+                with torch.autocast(DEVICE.split(":")[0], dtype=low):
+                    runs.append(_run(model, x, step))
+        (got, dgot), (same, dsame) = runs
+        assert torch.equal(got, same), f"step {step} output"
+        for i, (a, b) in enumerate(zip(dgot, dsame)):
+            assert a.dtype == b.dtype and a.stride() == b.stride(), f"step {step} gradient {i} layout"
+            assert torch.equal(a, b), f"step {step} gradient {i}"
+    for a, b in zip(ours.buffers(), apart.buffers()):
+        assert torch.equal(a, b)
+    assert len(node_calls) == 2 * 2  # steps 2 and 3, two pairs each (the first call primes)
+
+
+def test_sequential_conv_batch_norm_relu(node_calls):
+    """Patched (fuse or not) Sequential: Conv2d + BatchNorm2d + ReLU and Conv2d + BatchNorm2d run
+    as fused nodes; a conv with a bias runs unfused, right."""
+    make = lambda: nn.Sequential(
+        nn.Conv2d(4, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(),
+        nn.Conv2d(6, 6, 1, bias=False), nn.BatchNorm2d(6),
+        nn.Conv2d(6, 6, 1), nn.BatchNorm2d(6), nn.ReLU(),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = make().to(DEVICE)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours)
+    _compare_steps(model, ours, randn(2, 4, 5, 5), "sequential")
+    assert len(node_calls) == 2 * 2

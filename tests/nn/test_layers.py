@@ -14,7 +14,7 @@ import tritondnn as tdnn
 import tritondnn.nn as tnn
 from helpers import DEVICE, assert_close, randn
 from tritondnn.core.errors import NotSupportedError
-from tritondnn.nn.layers import _fusable_activation
+from tritondnn.nn.containers import _fusable_activation
 
 
 def _as_ours(module: nn.Module) -> nn.Module:

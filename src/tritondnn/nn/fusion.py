@@ -1,6 +1,5 @@
-"""Patch-time fusion: batch norm and the ReLU after it, with a residual add between them or not,
-as one ``tdnn.batch_norm(..., activation="relu", residual=...)`` (cuDNN's BN-ReLU and
-BN-add-ReLU).
+"""Patch-time fusion: batch norm with the convolution before it and the ReLU after it (with a
+residual add between them or not) as one call: cuDNN's conv-BN, BN-ReLU and BN-add-ReLU.
 
 A model's own modules (a ResNet block, say) call their children from Python: which module's
 output feeds which is only visible in ``forward``'s code. ``fuse_batch_norm_relu`` traces each
@@ -8,10 +7,12 @@ such module's forward with torch.fx, its children left as calls (not traced into
 
     y = relu(bn(x))            and        y = relu(bn(x) + r)   (or r + bn(x), or bn(x) += r)
 
-where nothing else reads the intermediate values, and replaces the module's forward with the
-rewritten graph: one op instead of two or three, forward and backward, and no intermediate
-tensors. The graph calls the same child modules (their parameters, buffers, train/eval state),
-so ``state_dict``, the optimizer and ``train()``/``eval()`` are unaffected.
+with x = conv(z) or not, and bn(conv(z)) alone, where nothing else reads the intermediate
+values, and replaces the module's forward with the rewritten graph: one autograd node instead of
+two to four, forward and backward, and no intermediate tensors between batch norm and ReLU
+(``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution). The
+graph calls the same child modules (their parameters, buffers, train/eval state), so
+``state_dict``, the optimizer and ``train()``/``eval()`` are unaffected.
 
 The traced graph fixes the Python control flow of the forward it recorded: a module whose traced
 code differs between train and eval mode, or that cannot be traced, is left alone and reported.
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .layers import ReLU, _BatchNormMixin, _hooked, fusable_batch_norm
+from .conv_bn import conv_batch_norm
+from .layers import Conv2d, ReLU, _BatchNormMixin, _hooked, fusable_batch_norm
 
 # The marker on a module whose forward was replaced: unpatch deletes the instance attribute.
 FUSED_FORWARD = "_tdnn_fused_forward"
@@ -85,34 +87,67 @@ def _residual_of(node: fx.Node, source: fx.Node) -> fx.Node | None:
     return None
 
 
+def _tail(node: fx.Node, root: nn.Module) -> tuple[fx.Node | None, fx.Node | None, fx.Node | None]:
+    """(relu node, add node, residual) of ``relu(node)`` or ``relu(node + residual)`` where
+    nothing else reads the intermediate values; Nones where neither follows."""
+    if len(node.users) != 1:
+        return None, None, None
+    (user,) = node.users
+    if _is_relu(user, node, root):
+        return user, None, None
+    residual = _residual_of(user, node)
+    if residual is None or len(user.users) != 1:
+        return None, None, None
+    (last,) = user.users
+    return (last, user, residual) if _is_relu(last, user, root) else (None, None, None)
+
+
+def _conv_before(node: fx.Node, root: nn.Module) -> fx.Node | None:
+    """The node of a Conv2d (tritondnn's, no hooks) whose output only this batch norm reads."""
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or src.op != "call_module" or len(src.users) != 1:
+        return None
+    if len(src.args) != 1 or src.kwargs:
+        return None
+    conv = root.get_submodule(src.target)
+    return src if type(conv) is Conv2d and not _hooked(conv) else None
+
+
 def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
-    """Replace each fusable pattern in ``graph`` with one ``batch_norm_relu`` call; returns the
-    (batch norm's name, pattern) of each."""
+    """Replace each fusable pattern in ``graph`` (a batch norm, the convolution before it and the
+    ReLU after it with or without a residual add, at least two of them) with one call; returns
+    the (batch norm's name, pattern) of each."""
     fused = []
     for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or len(node.users) != 1:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         bn = root.get_submodule(node.target)
         if not fusable_batch_norm(bn) or _hooked(bn):
             continue
-        (user,) = node.users
-        residual, last, pattern = None, user, "batch_norm+relu"
-        if not _is_relu(user, node, root):
-            residual = _residual_of(user, node)
-            if residual is None or len(user.users) != 1:
-                continue
-            (last,) = user.users
-            if not _is_relu(last, user, root):
-                continue
-            pattern = "batch_norm+add+relu"
+        relu, add, residual = _tail(node, root)
+        conv = _conv_before(node, root)
+        if relu is None and conv is None:
+            continue
+        pattern = "+".join(
+            part
+            for part, present in (("conv", conv), ("batch_norm", True), ("add", add), ("relu", relu))
+            if present
+        )
         # The residual may be computed after the batch norm: the fused call goes where the last
         # absorbed node was, after every operand.
+        last = relu or node
         with graph.inserting_before(last):
-            module_ref = graph.get_attr(node.target)
-            call = graph.call_function(batch_norm_relu, (module_ref, node.args[0], residual))
+            bn_ref = graph.get_attr(node.target)
+            if conv is None:
+                call = graph.call_function(batch_norm_relu, (bn_ref, node.args[0], residual))
+            else:
+                conv_ref = graph.get_attr(conv.target)
+                args = (conv_ref, bn_ref, conv.args[0], residual, relu is not None)
+                call = graph.call_function(conv_batch_norm, args)
         last.replace_all_uses_with(call)
-        for dead in (last, user, node) if last is not user else (last, node):
-            graph.erase_node(dead)
+        for dead in (relu, add, node, conv):  # users before what they read
+            if dead is not None:
+                graph.erase_node(dead)
         fused.append((str(node.target), pattern))
     graph.lint()
     return fused

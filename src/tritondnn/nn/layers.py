@@ -570,18 +570,7 @@ class Dropout(nn.Dropout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Containers.
-
-
-def _fusable_activation(module: nn.Module) -> str | None:
-    """The epilogue activation a (tritondnn) activation module computes, if a matmul can fuse it."""
-    kind = type(module)
-    if kind is GELU:
-        return "gelu_tanh" if module.approximate == "tanh" else "gelu"  # type: ignore[union-attr]
-    return _EPILOGUE_ACTIVATIONS.get(kind)
-
-
-_EPILOGUE_ACTIVATIONS: dict[type, str] = {ReLU: "relu", SiLU: "silu", Sigmoid: "sigmoid", Tanh: "tanh"}
+# Fusion helpers (containers.py and fusion.py fuse modules whose calls these allow).
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -597,39 +586,3 @@ def _hooked(module: nn.Module) -> bool:
         or glob._global_backward_hooks
         or glob._global_backward_pre_hooks
     )
-
-
-def _linear_activation(linear: nn.Linear, then: nn.Module, activation: str, x: torch.Tensor) -> torch.Tensor:
-    return run_or_fallback(
-        linear,
-        x,
-        lambda: ops.matmul.linear(x, linear.weight, linear.bias, activation=activation),
-        lambda: then(nn.Linear.forward(linear, x)),
-    )
-
-
-class Sequential(nn.Sequential):
-    """``torch.nn.Sequential`` that runs a Linear followed by a GELU, ReLU, SiLU, Sigmoid or Tanh
-    (both tritondnn's) as one ``tdnn.linear`` with the activation in its epilogue: one kernel
-    instead of two in the forward pass and in the backward pass (the activation's gradient joins
-    the bias gradient's kernel), as cuDNN's runtime fusion joins a matmul and a pointwise op; and
-    a BatchNorm followed by a ReLU as one ``tdnn.batch_norm(..., activation="relu")``. A module
-    with hooks, or an input off the backend's device, runs module by module as torch's."""
-
-    def forward(self, input: Any) -> Any:
-        modules = list(self._modules.values())
-        i = 0
-        while i < len(modules):
-            module = modules[i]
-            then = modules[i + 1] if i + 1 < len(modules) else None
-            pair = then is not None and on_backend(input) and not (_hooked(module) or _hooked(then))
-            if pair and type(module) is Linear and _fusable_activation(then) is not None:
-                input = _linear_activation(module, then, _fusable_activation(then), input)
-                i += 2
-            elif pair and fusable_batch_norm(module) and type(then) is ReLU:
-                input = module.forward_relu(input)
-                i += 2
-            else:
-                input = module(input)
-                i += 1
-        return input

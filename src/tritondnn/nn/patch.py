@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from . import attention, fusion, layers, rnn, sync_batchnorm
+from . import attention, containers, fusion, layers, rnn, sync_batchnorm
 
 # torch.nn class -> tritondnn class, filled from the modules that subclass exactly one of torch's.
 SUPPORTED: dict[type[nn.Module], type[nn.Module]] = {}
@@ -33,6 +33,7 @@ register(
         for cls in vars(layers).values()
         if isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == layers.__name__
     ),
+    containers.Sequential,
     attention.MultiheadAttention,
     rnn.LSTM,
     rnn.GRU,

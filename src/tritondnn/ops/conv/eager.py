@@ -33,10 +33,11 @@ def _int_tuple(value: Any) -> bool:
     )
 
 
-def eager_key(nd, input, weight, bias, stride, padding, dilation, groups) -> tuple | None:
+def eager_key(nd, input, weight, bias, stride, padding, dilation, groups, weight_dtype=None) -> tuple | None:
     """The key of a batched call on plain tensors, or None where the call takes the general path
     (tracing, a functorch transform, a tensor subclass, an unbatched input, a strided bias,
-    geometry arguments of other types)."""
+    geometry arguments of other types). ``weight_dtype``: the key of the call with ``weight``
+    cast to that dtype (same strides), as autocast would pass it."""
     if not eager_tensor(input) or functorch_active() or type(weight) not in PLAIN_TENSORS:
         return None
     if bias is not None and (type(bias) not in PLAIN_TENSORS or not bias.is_contiguous()):
@@ -47,7 +48,7 @@ def eager_key(nd, input, weight, bias, stride, padding, dilation, groups) -> tup
         return None
     return (
         nd, config.version, input.shape, input.stride(), input.dtype, input.device,
-        weight.shape, weight.stride(), weight.dtype, weight.device,
+        weight.shape, weight.stride(), weight_dtype or weight.dtype, weight.device,
         None if bias is None else (bias.shape, bias.dtype, bias.device),
         stride, padding, dilation, groups,
     )  # fmt: skip
@@ -113,4 +114,5 @@ def eager_program(x, weight, bias, geometry) -> Callable[..., torch.Tensor] | No
             return _apply_eager(x, weight, bias, program)
         return forward(x, weight, bias)
 
+    fast.program = program  # for fused callers that run it inside an autograd node of their own
     return fast

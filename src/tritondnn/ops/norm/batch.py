@@ -645,6 +645,7 @@ def _eager_program(
             return _apply_eager(x, weight, bias, running_mean, running_var, residual, momentum, program)
         return run(x, weight, bias, residual, running_mean, running_var, momentum)[0]
 
+    fast.program = program  # for fused callers that run it inside an autograd node of their own
     return fast
 
 

@@ -1,0 +1,137 @@
+"""A convolution and the batch norm after it (then a residual add and ReLU, or not) as one
+autograd node: what ``patch(..., fuse=True)`` and ``Sequential`` run for Conv -> BatchNorm.
+
+The two ops' kernels stay as they are (the eager programs both families bind per validated key);
+what fusing saves is host time, which a training step of a convolutional network at PyTorch's
+speed is short of: one ``autograd.Function`` node instead of two (plus autocast's weight cast
+node), one module call chain, and autocast's cast of the weight done inside the node. A call
+whose pieces have no eager program yet (the first of its shapes), or that the fast path does not
+take (hooks, a conv bias, a padding mode, an input of another dtype than the computation's),
+runs the two modules as they are; the first such call builds the programs the later ones use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.autocast import _any_autocast
+from ..core.backend import DEVICE_TYPE
+from ..core.library import functorch_active, raw_apply
+from ..ops.conv import eager as conv_eager
+from ..ops.norm import batch as batch_ops
+from .layers import Conv2d, _hooked, fusable_batch_norm, on_backend
+
+
+class _ConvBatchNorm(torch.autograd.Function):
+    """y = bn(conv(x, cast(weight))) [+ residual, relu]; backward: batch norm's, then the
+    convolution's data and weight gradients (autograd casts the weight's to its dtype, as it
+    does any gradient of another dtype than its input's)."""
+
+    @staticmethod
+    def forward(
+        ctx, x, weight, bn_weight, bn_bias, running_mean, running_var, residual, momentum, programs, low
+    ):
+        conv_program, bn_program = programs
+        w = weight if low is None else weight.to(low)
+        h = conv_program[0](x, w, None)
+        y, workspace = bn_program[0](h, bn_weight, bn_bias, residual, running_mean, running_var, momentum)
+        ctx.save_for_backward(x, w, h, bn_weight, bn_bias, workspace, y if bn_program[2] else None)
+        ctx.programs = programs
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, h, bn_weight, bn_bias, workspace, y = ctx.saved_tensors
+        need_x, need_w, need_bn_w, need_bn_b = ctx.needs_input_grad[:4]
+        conv_program, bn_program = ctx.programs
+        dh, dbn_w, dbn_b, dr = bn_program[1](dy, h, bn_weight, bn_bias, workspace, y, need_bn_w, need_bn_b)
+        dx, dw, _ = conv_program[1](dh, x, w, need_x, need_w, False)
+        dr = dr if ctx.needs_input_grad[6] else None
+        return dx, dw, dbn_w, dbn_b, None, None, dr, None, None, None
+
+
+_apply = raw_apply(_ConvBatchNorm)
+
+# (conv key, batch norm's flags and parameter specs, residual spec, relu) -> (conv program,
+# batch norm program), filled after a call of that key ran unfused.
+_programs: dict[tuple, tuple] = {}
+
+
+def _spec(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def conv_batch_norm(
+    conv: torch.nn.Module, bn: torch.nn.Module, input: Any, residual: Any, relu: bool
+) -> torch.Tensor:
+    """``relu(bn(conv(input)) + residual)`` (without the residual where None, without the ReLU
+    where ``relu`` is False), fused where the fast path takes the call."""
+    key = _key(conv, bn, input, residual, relu)
+    programs = _programs.get(key) if key is not None else None
+    if programs is None:
+        h = conv(input)
+        y = bn.forward_relu(h, residual) if relu else bn(h)
+        if key is not None:
+            _remember(key, conv, bn, input, h, residual, relu)
+        return y
+    args = bn._batch_norm_args(input)  # counts the batch, computes the momentum factor
+    _, rm, rv, bn_weight, bn_bias, _, momentum, _ = args
+    low = key[1]
+    weight = conv.weight
+    grad = torch.is_grad_enabled() and (
+        input.requires_grad
+        or weight.requires_grad
+        or (bn_weight is not None and bn_weight.requires_grad)
+        or (bn_bias is not None and bn_bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    )
+    if grad:
+        return _apply(input, weight, bn_weight, bn_bias, rm, rv, residual, float(momentum), programs, low)
+    w = weight if low is None else weight.to(low)
+    h = programs[0][0](input, w, None)
+    return programs[1][0](h, bn_weight, bn_bias, residual, rm, rv, float(momentum))[0]
+
+
+def _key(conv, bn, input, residual, relu) -> tuple | None:
+    """The fast path's key, or None where the call runs unfused every time."""
+    if type(conv) is not Conv2d or not fusable_batch_norm(bn) or not on_backend(input):
+        return None
+    if conv.bias is not None or conv.padding_mode != "zeros" or _hooked(conv) or _hooked(bn):
+        return None
+    if functorch_active() or (residual is not None and type(residual) is not torch.Tensor):
+        return None
+    weight = conv.weight
+    low = None
+    if _any_autocast() and torch.is_autocast_enabled(DEVICE_TYPE):
+        low = torch.get_autocast_dtype(DEVICE_TYPE)
+        if weight.dtype not in (torch.float32, low):
+            return None
+        low = None if weight.dtype == low else low
+    if input.dtype != (low or weight.dtype):
+        return None  # autocast would cast the input too: the unfused path does that
+    conv_key = conv_eager.eager_key(
+        2, input, weight, None, conv.stride, conv.padding, conv.dilation, conv.groups, low
+    )
+    if conv_key is None:
+        return None
+    bn_state = (bn.training, bn.track_running_stats, bn.momentum is None, bn.eps)
+    params = tuple(_spec(t) for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var))
+    return conv_key, low, bn_state, params, _spec(residual), relu
+
+
+def _remember(key, conv, bn, input, h, residual, relu) -> None:
+    """After an unfused call: the two eager programs its key maps to, where both exist."""
+    conv_fast = conv_eager.programs.get(key[0])
+    training = bn.training or (bn.running_mean is None and bn.running_var is None)
+    use_running = not bn.training or bn.track_running_stats
+    rm, rv = (bn.running_mean, bn.running_var) if use_running else (None, None)
+    bn_key = batch_ops._eager_key(
+        h, rm, rv, bn.weight, bn.bias, training, bn.eps, "relu" if relu else None, residual
+    )
+    bn_fast = batch_ops._eager.get(bn_key) if bn_key is not None else None
+    conv_program = getattr(conv_fast, "program", None)
+    bn_program = getattr(bn_fast, "program", None)
+    if conv_program is not None and bn_program is not None:
+        _programs[key] = (conv_program, bn_program)

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
-from .batch import _default_shift, _finalize_apply, _partial_stats, _plan, _stats_dtype
+from .batch import _finalize_apply
+from .batch_engine import _default_shift, _partial_stats, _plan, _stats_dtype
 from .common import NO_ACTIVATION, dense_ncs, in_layout, sum_partials
 
 BLOCK_C = 128

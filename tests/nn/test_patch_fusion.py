@@ -264,3 +264,19 @@ def test_sequential_conv_batch_norm_relu(node_calls):
     tnn.patch(ours)
     _compare_steps(model, ours, randn(2, 4, 5, 5), "sequential")
     assert len(node_calls) == 2 * 2
+
+
+def test_fused_model_traces_in_one_graph():
+    """torch.compile(fullgraph=True) of a fused block: the rewritten forward adds no graph break
+    (the fused calls run the modules' ops while tracing); forward and backward as eager."""
+    torch._dynamo.reset()
+    model, ours, report = _pair(lambda: Block(4))
+    assert report.fused
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x = randn(2, 4, 6, 5)
+    ref, dref = _run(copy.deepcopy(model).double(), x.double(), 0)
+    got, dgot = _run(compiled, x, 0)
+    same, dsame = _run(model, x, 0)
+    assert_close(got, ref, same, "compiled output")
+    for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+        assert_close(a, b, c, f"compiled gradient {i}")

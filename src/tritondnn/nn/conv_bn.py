@@ -95,7 +95,10 @@ def conv_batch_norm(
 
 
 def _key(conv, bn, input, residual, relu) -> tuple | None:
-    """The fast path's key, or None where the call runs unfused every time."""
+    """The fast path's key, or None where the call runs unfused every time (tracing included:
+    torch.compile sees the two modules' ops)."""
+    if torch.compiler.is_compiling():
+        return None
     if type(conv) is not Conv2d or not fusable_batch_norm(bn) or not on_backend(input):
         return None
     if conv.bias is not None or conv.padding_mode != "zeros" or _hooked(conv) or _hooked(bn):

@@ -209,7 +209,8 @@ class _BatchNormMixin:
         return (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        args = self._batch_norm_args(input)
+        # Named through the class: SyncBatchNorm borrows this forward without the mixin.
+        args = _BatchNormMixin._batch_norm_args(self, input)
         return run_or_fallback(self, input, lambda: ops.norm.batch_norm(*args), lambda: F.batch_norm(*args))
 
     def forward_relu(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from ..core.backend import DEVICE_TYPE
 from ..core.library import functorch_active, raw_apply
 from ..ops.conv import eager as conv_eager
 from ..ops.norm import batch as batch_ops
-from .layers import Conv2d, _hooked, fusable_batch_norm, on_backend
+from .layers import Conv2d, _bn_state, _hooked, fusable_batch_norm, on_backend
 
 
 class _ConvBatchNorm(torch.autograd.Function):
@@ -74,7 +74,7 @@ def conv_batch_norm(
         h = conv(input)
         y = bn.forward_relu(h, residual) if relu else bn(h)
         if key is not None:
-            _remember(key, conv, bn, input, h, residual, relu)
+            _remember(key, bn, h, residual, relu)
         return y
     args = bn._batch_norm_args(input)  # counts the batch, computes the momentum factor
     _, rm, rv, bn_weight, bn_bias, _, momentum, _ = args
@@ -119,19 +119,17 @@ def _key(conv, bn, input, residual, relu) -> tuple | None:
     )
     if conv_key is None:
         return None
-    bn_state = (bn.training, bn.track_running_stats, bn.momentum is None, bn.eps)
-    params = tuple(_spec(t) for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var))
-    return conv_key, low, bn_state, params, _spec(residual), relu
+    # Which statistics and parameters the batch norm takes (its mode) and their layouts.
+    params = tuple(_spec(t) for t in _bn_state(bn)[:4])
+    return conv_key, low, bn.training, bn.track_running_stats, bn.eps, params, _spec(residual), relu
 
 
-def _remember(key, conv, bn, input, h, residual, relu) -> None:
+def _remember(key, bn, h, residual, relu) -> None:
     """After an unfused call: the two eager programs its key maps to, where both exist."""
     conv_fast = conv_eager.programs.get(key[0])
-    training = bn.training or (bn.running_mean is None and bn.running_var is None)
-    use_running = not bn.training or bn.track_running_stats
-    rm, rv = (bn.running_mean, bn.running_var) if use_running else (None, None)
+    rm, rv, weight, bias, batch_stats = bn._statistics()
     bn_key = batch_ops._eager_key(
-        h, rm, rv, bn.weight, bn.bias, training, bn.eps, "relu" if relu else None, residual
+        h, rm, rv, weight, bias, batch_stats, bn.eps, "relu" if relu else None, residual
     )
     bn_fast = batch_ops._eager.get(bn_key) if bn_key is not None else None
     conv_program = getattr(conv_fast, "program", None)

@@ -2,7 +2,7 @@
 residual add between them or not) as one call: cuDNN's conv-BN, BN-ReLU and BN-add-ReLU.
 
 A model's own modules (a ResNet block, say) call their children from Python: which module's
-output feeds which is only visible in ``forward``'s code. ``fuse_batch_norm_relu`` traces each
+output feeds which is only visible in ``forward``'s code. ``fuse_batch_norm`` traces each
 such module's forward with torch.fx, its children left as calls (not traced into), finds
 
     y = relu(bn(x))            and        y = relu(bn(x) + r)   (or r + bn(x), or bn(x) += r)
@@ -69,7 +69,8 @@ def _is_relu(node: fx.Node, source: fx.Node, root: nn.Module) -> bool:
 
 def _residual_of(node: fx.Node, source: fx.Node) -> fx.Node | None:
     """The other operand where ``node`` adds ``source`` and one other node (no alpha); an in-place
-    add only with ``source`` as the one written (the residual must not change)."""
+    ``add_`` only with ``source`` as the one written (the residual must not change). (``a += b``
+    reaches the graph as ``operator.add``: fx's proxies have no in-place operators.)"""
     if len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
@@ -78,11 +79,7 @@ def _residual_of(node: fx.Node, source: fx.Node) -> fx.Node | None:
         return None
     if node.op == "call_function" and node.target in _ADD_FUNCTIONS:
         return other
-    if (node.op == "call_function" and node.target is operator.iadd) or (
-        node.op == "call_method" and node.target == "add_"
-    ):
-        return other if a is source else None
-    if node.op == "call_method" and node.target == "add" and a is source:
+    if node.op == "call_method" and node.target in ("add", "add_") and a is source:
         return other
     return None
 
@@ -180,12 +177,12 @@ def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
     return graphs[0], ""
 
 
-def fuse_batch_norm_relu(
+def fuse_batch_norm(
     model: nn.Module, selected: Callable[[str, nn.Module], bool]
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     """Rewrite the forward of each of ``model``'s own modules (``selected`` by name and module)
-    whose code runs batch norm then ReLU. Returns (fused: qualified batch norm name and pattern,
-    skipped: module name, class and why)."""
+    whose code runs a convolution into a batch norm or a batch norm into a ReLU. Returns (fused:
+    qualified batch norm name and pattern, skipped: module name, class and why)."""
     fused: list[tuple[str, str]] = []
     skipped: list[tuple[str, str, str]] = []
     for name, module in model.named_modules():

@@ -194,18 +194,24 @@ class _BatchNormMixin:
     """torch's ``_BatchNorm.forward`` (momentum None = cumulative average, num_batches_tracked,
     running statistics used in eval) with ``tdnn.batch_norm``."""
 
+    def _statistics(self) -> tuple:
+        """(running_mean, running_var, weight, bias, batch_stats) as F.batch_norm takes them in
+        the module's current mode: the running statistics None where not used."""
+        running_mean, running_var, weight, bias, _ = _bn_state(self)
+        batch_stats = self.training or (running_mean is None and running_var is None)
+        if self.training and not self.track_running_stats:
+            running_mean = running_var = None
+        return running_mean, running_var, weight, bias, batch_stats
+
     def _batch_norm_args(self, input: torch.Tensor) -> tuple:
         """F.batch_norm's arguments for this call; counts the batch (num_batches_tracked)."""
         self._check_input_dim(input)
-        running_mean, running_var, weight, bias, batches = _bn_state(self)
+        rm, rv, weight, bias, batch_stats = _BatchNormMixin._statistics(self)
+        batches = _bn_state(self)[4]
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and batches is not None:
             batches.add_(1)
             factor = 1.0 / float(batches) if self.momentum is None else self.momentum
-        batch_stats = self.training or (running_mean is None and running_var is None)
-        use_running = not self.training or self.track_running_stats
-        rm = running_mean if use_running else None
-        rv = running_var if use_running else None
         return (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class PatchReport:
     """What ``patch`` did: ``replaced`` (qualified name, class) and ``skipped`` (qualified name,
     class, reason), in module order; ``sdpa`` whether ``F.scaled_dot_product_attention`` is routed
     through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified batch norm name,
-    pattern) for each batch norm that ``fuse=True`` joined with what follows it."""
+    pattern) for each batch norm that ``fuse=True`` joined with its convolution or ReLU."""
 
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
@@ -96,10 +96,11 @@ def patch(
         sdpa: also route ``F.scaled_dot_product_attention`` calls made during ``model``'s forward
             through ``tdnn.sdpa`` (for models that call it directly, e.g. HuggingFace's).
         fuse: also rewrite the forward of the model's own modules (not torch.nn's) where it runs
-            a batch norm into a ReLU, with or without a residual add between them (a ResNet
-            block's ``relu(bn(conv(x)))`` and ``relu(bn(conv(y)) + x)``), to call one fused
-            ``tdnn.batch_norm``; see ``tritondnn.nn.fusion`` for what tracing fixes. Patched
-            ``Sequential`` containers fuse BatchNorm + ReLU either way.
+            a convolution into a batch norm, or a batch norm into a ReLU with or without a
+            residual add between them (a ResNet block's ``relu(bn(conv(x)))`` and
+            ``relu(bn(conv(y)) + x)``), to run each chain as one autograd node; see
+            ``tritondnn.nn.fusion`` for what tracing fixes. Patched ``Sequential`` containers
+            fuse Conv2d + BatchNorm (+ ReLU) and BatchNorm + ReLU either way.
 
     Returns:
         A ``PatchReport``: what was replaced, and what was skipped and why (excluded, a user
@@ -134,7 +135,7 @@ def patch(
         )
     report.sdpa = bool(getattr(model, "_tdnn_sdpa_hooks", None))
     if fuse:
-        fused, skipped = fusion.fuse_batch_norm_relu(model, lambda name, m: not _matches(name, m, exclude))
+        fused, skipped = fusion.fuse_batch_norm(model, lambda name, m: not _matches(name, m, exclude))
         report.fused += fused
         report.skipped += skipped
     return report

@@ -453,8 +453,8 @@ def batch_norm(
                 input.requires_grad
                 or (weight is not None and weight.requires_grad)
                 or (bias is not None and bias.requires_grad)
+                or (residual is not None and residual.requires_grad)
             )
-            grad = grad or (residual is not None and residual.requires_grad and torch.is_grad_enabled())
             return fast(input, weight, bias, residual, running_mean, running_var, float(momentum), grad)
     op = "tdnn.batch_norm"
     _check_channels(op, input, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)

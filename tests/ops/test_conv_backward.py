@@ -197,6 +197,43 @@ def test_bad_input():
         conv.conv_backward_weight(x, dy, w.shape, 1, 0, 1, 2, algo="depthwise")
 
 
+# (x shape, cout, kernel, (pre, post) pads, dilation, groups): stride-1 'same' problems whose
+# taps leave the image by up to two planes, rows or columns, on both sides or one.
+WRAPPING = [
+    ((3, 16, 7, 9), 16, (3, 3), ((1, 1), (1, 1)), (1, 1), 1),
+    ((2, 16, 6, 5), 16, (5, 3), ((2, 2), (1, 1)), (1, 1), 1),
+    ((2, 16, 8, 6), 16, (3, 3), ((2, 2), (2, 2)), (2, 2), 1),
+    ((2, 16, 6, 7), 16, (4, 2), ((1, 2), (0, 1)), (1, 1), 1),
+    ((2, 32, 5, 6), 32, (3, 3), ((1, 1), (1, 1)), (1, 1), 2),
+    ((1, 16, 40), 16, (5,), ((2, 2),), (1,), 1),
+    ((2, 16, 4, 5, 6), 16, (3, 3, 3), ((1, 1),) * 3, (1, 1, 1), 1),
+    ((2, 16, 1, 1), 16, (3, 3), ((1, 1), (1, 1)), (1, 1), 1),
+]
+
+
+@pytest.mark.parametrize("case", WRAPPING, ids=str)
+@pytest.mark.parametrize("multiprocessors", [1, 3, 64])
+def test_shifted_wgrad_takes_back_wrapped_pixels(case, multiprocessors, monkeypatch):
+    """The shifted weight gradient adds every pixel's product per tap and takes back those of the
+    pixels whose tap leaves the image (margin rows, planes and columns); with the pixels split
+    into ranges that start and end mid-image (more multiprocessors, more splits), each range
+    takes back exactly its own."""
+    from tritondnn.ops.conv import describe_wgrad, shifted
+
+    monkeypatch.setattr(shifted, "sm_count", lambda: multiprocessors)
+    shape, cout, kernel, pads, dilation, groups = case
+    stride = (1,) * len(kernel)
+    x, w, dy = _tensors((shape, cout, kernel, stride, pads, dilation, groups), torch.float16, True)
+    dy = channels_last(dy)
+    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    problem = describe_wgrad(x, dy, w.shape, 1, pads, dilation, groups)
+    engine = shifted.ShiftedGemmWgradEngine()
+    assert not engine.not_supported_reasons(problem)
+    dw = torch.full(w.shape, float("nan"), device=DEVICE, dtype=torch.float16)
+    engine.bind(problem, engine.configs(problem)[0])(x, dy, dw)
+    assert_close(dw, rw, what=f"shifted wgrad {case}, {multiprocessors} multiprocessors")
+
+
 @pytest.mark.parametrize(
     "case",
     [

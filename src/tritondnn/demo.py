@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import __version__
-from .bench.models import compare, loss_tolerance, workloads
+from .bench.models import agreement, compare, workloads
 from .core.accuracy import check
 from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
@@ -190,21 +190,20 @@ def train_models(echo: Callable[[str], None]) -> int:
     patched in and in plain PyTorch from the same seed; print both loss curves and step times.
     Losses must agree within ``bench.models.loss_tolerance``."""
     steps, low = (3, False) if INTERPRET else (20, True)
-    tolerance = loss_tolerance(low)
     failures = 0
     precision = "bf16 autocast" if low else "fp32"
     echo(f"\nmodels: {steps} training steps, tritondnn-patched vs PyTorch ({precision})")
     for w in workloads(tiny=INTERPRET):
         r = compare(w, steps, low)
         ours, theirs = r["tritondnn loss"], r["torch loss"]
-        worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+        worst, tolerance = agreement(r, low)
         ok = worst <= tolerance
         failures += not ok
         t_ours, t_torch = sorted(r["tritondnn s"])[steps // 2], sorted(r["torch s"])[steps // 2]
         echo(f"  {w.name}: losses " + " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(ours, theirs)))
         echo(
             f"    median step {t_ours * 1e3:.1f} ms vs {t_torch * 1e3:.1f} ms ({t_torch / t_ours:.2f}x); "
-            f"largest loss difference {worst:.1e} {'ok' if ok else 'FAIL'}"
+            f"largest loss difference {worst:.1e} (tolerance {tolerance:.1e}) {'ok' if ok else 'FAIL'}"
         )
     return failures
 

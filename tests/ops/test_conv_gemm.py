@@ -3,6 +3,8 @@ epilogue, data and weight gradients, every rank and stride, against the float64 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,10 +74,11 @@ def test_gradients(case, poison):
     rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, 1)
     dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, 1, algo=ENGINE)
     assert_close(dw, rw, what="wgrad")
-    if all(s == 1 for s in stride):
-        dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, 1, algo=ENGINE)
-        assert_close(dx, rx, what="dgrad")
-        assert dx.stride(1) == 1
+    # Strided: the product over dy's pixels scattered into a zeroed dx ('poison' fills fresh
+    # outputs with NaN, so pixels between the samples left unwritten fail).
+    dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, 1, algo=ENGINE)
+    assert_close(dx, rx, what="dgrad")
+    assert dx.stride(1) == 1
 
 
 def test_half_precision_and_autograd():
@@ -106,5 +109,9 @@ def test_not_supported_reasons():
     with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
         conv.conv2d(x.contiguous(), torch.randn(8, 8, 1, 1, device=DEVICE), algo=ENGINE)
     dy = channels_last(torch.randn(2, 8, 3, 3, device=DEVICE))
-    with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
-        conv.conv_backward_data(dy, torch.randn(8, 8, 1, 1, device=DEVICE), x.shape, 2, 0, 1, 1, algo=ENGINE)
+    strided = conv.describe_dgrad(dy, torch.randn(8, 8, 1, 1, device=DEVICE), x.shape, 2)
+    engine = conv.gemm.GemmDgradEngine()
+    assert not engine.not_supported_reasons(strided)
+    # With the activation's gradient fused in (autograd's path), the zeros would not get it.
+    fused = dataclasses.replace(strided, activation=0, store_pre=True)
+    assert any("no fused epilogue" in r for r in engine.not_supported_reasons(fused))

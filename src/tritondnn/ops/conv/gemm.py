@@ -4,7 +4,8 @@ With a 1x1 kernel, no padding and one group, a channels-last activation is a [pi
 matrix with dense rows, and each direction is a single GEMM:
 
 * forward: ``y[P, Cout] = x[P, Cin] @ W^T``, the convolution's epilogue fused (bias per column);
-* data gradient (stride 1): ``dx[P, Cin] = dy[P, Cout] @ W``, its epilogue fused the same way;
+* data gradient: ``dx[P, Cin] = dy[P, Cout] @ W``, its epilogue fused the same way (with a stride
+  s: the product over dy's pixels, scattered into every s-th pixel of a zeroed dx);
 * weight gradient: ``dW[Cout, Cin] = dy^T @ x``, a reduction over every pixel.
 
 A stride-s forward or weight gradient reads every s-th pixel: those rows are copied into a dense
@@ -17,11 +18,15 @@ long reduction. The other convolution engines address each pixel's taps; here th
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 from ...core.engine import Choice, Engine, LaunchConfig
+from ...core.launcher import cdiv, launcher
 from ..matmul import engines as mm
 from .engines import _BANDWIDTH, DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
 from .problem import ConvProblem, Strides5, Triple, itemsize
@@ -51,11 +56,12 @@ def _reasons(p: ConvProblem) -> list[str]:
     if not p.channels_last:
         reasons.append("needs channels-last activations")
     strided = p.stride != (1, 1, 1)
-    if p.direction == "dgrad" and strided:
-        reasons.append(f"data gradient: needs stride 1 (got {p.stride[3 - p.nd :]})")
+    epilogue = p.bias or p.has_c or p.residual or p.activation >= 0 or p.store_pre
+    if p.direction == "dgrad" and strided and epilogue:
+        reasons.append("a strided data gradient needs no fused epilogue (dx is zero between the samples)")
     if not _dense(p.y_strides, p.cout, p.n, p.out_size):
         reasons.append(f"the output{' gradient' if p.direction != 'fwd' else ''} is not dense channels-last")
-    if not (strided or _dense(p.x_strides, p.cin, p.n, p.in_size)):
+    if not ((strided and p.direction != "dgrad") or _dense(p.x_strides, p.cin, p.n, p.in_size)):
         reasons.append(f"the input{' gradient' if p.direction == 'dgrad' else ''} is not dense channels-last")
     return reasons
 
@@ -93,10 +99,14 @@ def _matmul(p: ConvProblem) -> tuple[mm.Layout, Choice]:
 
 
 def _copy_cost(p: ConvProblem) -> float:
-    """Microseconds to copy the sampled pixels of a strided x into a dense matrix."""
+    """Microseconds to copy the sampled pixels of a strided x into a dense matrix, or for a strided
+    data gradient to write dx from the product's rows (zeros between the samples)."""
     if p.stride == (1, 1, 1):
         return 0.0
-    return 2 * p.out_pixels * p.cin * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.6) + 5.0
+    moved = 2 * p.out_pixels * p.cin
+    if p.direction == "dgrad":
+        moved += p.n * math.prod(p.in_size) * p.cin
+    return moved * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.6) + 5.0
 
 
 def _cost(p: ConvProblem) -> float:
@@ -126,6 +136,8 @@ def _bind(p: ConvProblem) -> Callable[..., None]:
     lay, choice = _matmul(p)
     launch = choice.engine.bind(lay.problem, choice.config)
     strided = p.stride != (1, 1, 1)
+    if strided and p.direction == "dgrad":
+        return _bind_strided_dgrad(p, lay, launch)
 
     def run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
         a, b = (_sampled_rows(src, p) if strided else src), w
@@ -136,6 +148,47 @@ def _bind(p: ConvProblem) -> Callable[..., None]:
             for t, used in ((c, p.has_c), (bias, p.bias), (residual, p.residual), (pre, p.store_pre))
         )
         launch(a, b, dst, c, bias, residual, pre, dst, dst, dst, alpha, beta, p0, p1)
+
+    return run
+
+
+@triton.jit
+def _scatter_samples_kernel(
+    rows_ptr, dx_ptr, pixels, C, SD, SH, SW, TD, TH, TW, OD, OH, OW,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """dx (dense channels-last [pixels, C] over an (SD, SH, SW) grid) = the rows of ``rows``
+    ([N * OD * OH * OW, C]) at every (TD, TH, TW)-th pixel, zero elsewhere. Grid: pixel blocks."""
+    pix = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    w = pix % SW
+    h = (pix // SW) % SH
+    d = (pix // (SW * SH)) % SD
+    n = pix // (SW * SH * SD)
+    sampled = (w % TW == 0) & (h % TH == 0) & (d % TD == 0)
+    src = ((n * OD + d // TD) * OH + h // TH) * OW + w // TW
+    inside = pix < pixels
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        ok = inside[:, None] & (c < C)[None, :]
+        v = tl.load(rows_ptr + src[:, None] * C + c[None, :], mask=ok & sampled[:, None], other=0.0)
+        tl.store(dx_ptr + pix[:, None] * C + c[None, :], v, mask=ok)
+
+
+def _bind_strided_dgrad(p: ConvProblem, lay: mm.Layout, launch: Callable[..., None]) -> Callable[..., None]:
+    """The data gradient of a stride-s 1x1 convolution: the product dy @ W gives the gradient of
+    the sampled pixels only (a dense [pixels, Cin] matrix); one more pass writes dx whole, those
+    rows at every s-th pixel and zeros between (no products over the zeros, which the implicit
+    GEMM's stride phases computed as empty launches and a gathered product)."""
+    pixels = p.n * math.prod(p.in_size)
+    block_p, block_c = 64, min(128, triton.next_power_of_2(p.cin))
+    ints = (pixels, p.cin, *p.in_size, *p.stride, *p.out_size)
+    scatter = launcher(_scatter_samples_kernel, (cdiv(pixels, block_p),), 2, ints, (block_p, block_c))
+
+    def run(src, w, dst, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+        rows = torch.empty((p.out_pixels, p.cin), dtype=dst.dtype, device=dst.device)
+        a, b = (w, src) if lay.swapped else (src, w)
+        launch(a, b, rows, rows, rows, rows, rows, rows, rows, rows, alpha, beta, p0, p1)
+        scatter(rows, dst)
 
     return run
 
@@ -163,7 +216,8 @@ class GemmForwardEngine(_GemmEngine):
 
 @DGRAD_FAMILY.register
 class GemmDgradEngine(_GemmEngine):
-    """The data gradient of a stride-1 1x1 channels-last convolution as one GEMM."""
+    """The data gradient of a 1x1 channels-last convolution as one GEMM (with a stride: over the
+    sampled pixels, scattered into a zeroed dx)."""
 
 
 @WGRAD_FAMILY.register

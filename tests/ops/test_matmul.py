@@ -487,6 +487,29 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
     )
 
 
+def test_long_reductions_rank_tiles_by_their_rate(monkeypatch):
+    """Weight gradients over 8192 tokens (GPT-2 small's, A = dy^T M-major) whose 128x256 tiles do
+    not fill the 132 SMs: tiles are ranked by waves times area over their measured rate, not by
+    how many SMs their last wave keeps busy (which picked 64x64 tiles at half the speed); short
+    reductions keep the wave count's order."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+
+    def first_tile(m, n, k):
+        a = torch.empty(k, m, device="meta", dtype=torch.bfloat16).t()
+        b = torch.empty(k, n, device="meta", dtype=torch.bfloat16)
+        lay = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False,
+        )  # fmt: skip
+        c = mm_engines._tile_configs(lay.problem)[0]
+        return c["BLOCK_M"], c["BLOCK_N"]
+
+    assert first_tile(3072, 768, 8192) == first_tile(768, 3072, 8192) == (128, 256)  # 72 tiles
+    assert first_tile(2304, 768, 8192) == (128, 128)  # 128x256 would fill 54 SMs
+    assert first_tile(768, 768, 8192) == (64, 128)
+    assert first_tile(3072, 768, 2048) == (64, 64)  # short: the wave count's pick
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's

@@ -337,8 +337,29 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
-        configs.sort(key=lambda c: -_wave_util(cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch))
+        if p.k >= LONG_K and p.dtypes[0] in ("float16", "bfloat16"):
+            configs.sort(key=lambda c: _long_k_time(p, c))
+        else:
+            tiles = lambda c: cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch
+            configs.sort(key=lambda c: -_wave_util(tiles(c)))
     return configs
+
+
+# A long reduction (weight gradients over the tokens or pixels of a batch) with too few big tiles
+# to fill the SMs: each tile's time grows with K, so the tile's own rate decides more than the
+# idle SMs of a wave. Relative rates of 16-bit tiles, measured on H100 (bf16, GPT-2 small's weight
+# gradients, K = 8192 tokens, A = dy^T M-major; us, kernels bound directly): 3072x768 128x256 85,
+# 64x64 175 (the wave count's pick before), cuBLAS 57; 768x3072 87 against 185; 2304x768 128x128
+# 56, 128x256 85. Through tdnn.matmul the two large ones went from 175 and 185 to 125 and 130.
+LONG_K = 4096
+_TILE_RATE = {(128, 256): 1.0, (256, 128): 0.95, (128, 128): 0.76, (64, 128): 0.45, (64, 64): 0.3}
+
+
+def _long_k_time(p: MatmulProblem, c: LaunchConfig) -> float:
+    """A tile shape's time for ``p`` up to a constant: its waves times its area over its rate."""
+    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+    waves = cdiv(cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch, sm_count())
+    return waves * bm * bn / _TILE_RATE.get((bm, bn), 0.3)
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ import datetime
 import functools
 import importlib
 import json
+import os
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -218,8 +219,12 @@ def run(
 
 
 def _commit() -> str:
-    """The checkout's commit: from git, or read from .git itself where git is missing or refuses
-    (a copy of the tree owned by another user, as on the GPU machines)."""
+    """The checkout's commit: ``$TRITONDNN_COMMIT`` if set (a copy of a working tree whose .git
+    is older than its files, as on the lent GPU machines, cannot tell), else from git, else read
+    from .git itself where git is missing or refuses (a copy owned by another user)."""
+    given = os.environ.get("TRITONDNN_COMMIT")
+    if given:
+        return given
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10

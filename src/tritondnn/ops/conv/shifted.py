@@ -299,8 +299,8 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         # layer while it still masked dy in registers (3x3 by 10-25%, 1x1 by 17%, the 3x3x3
         # conv3d by 42%); taking wrapped pixels back instead made the 3x3 layers 1.2-1.6x faster
         # again (84-110 us against cuDNN's 33-55), 1x1 is at 0.9-1.0x cuDNN.
-        masked = p.taps > 1 or any(p.pad)
-        return roofline(p.flops, p.bytes, peak(p), 0.65 if masked else 0.8, 0.7) + 8.0
+        wraps = p.taps > 1 or any(p.pad)  # the take-back loop runs
+        return roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) + 8.0
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return _wgrad_configs(problem)

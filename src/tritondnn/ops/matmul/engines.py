@@ -336,13 +336,17 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
         ]
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
-    if cdiv(p.m, big["BLOCK_M"]) * cdiv(p.n, big["BLOCK_N"]) * p.batch < sm_count():
+    if _tiles(p, big) < sm_count():
         if p.k >= LONG_K and p.dtypes[0] in ("float16", "bfloat16"):
             configs.sort(key=lambda c: _long_k_time(p, c))
         else:
-            tiles = lambda c: cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch
-            configs.sort(key=lambda c: -_wave_util(tiles(c)))
+            configs.sort(key=lambda c: -_wave_util(_tiles(p, c)))
     return configs
+
+
+def _tiles(p: MatmulProblem, c: LaunchConfig) -> int:
+    """Output tiles of ``p`` in ``c``'s tile shape."""
+    return cdiv(p.m, c["BLOCK_M"]) * cdiv(p.n, c["BLOCK_N"]) * p.batch
 
 
 # A long reduction (weight gradients over the tokens or pixels of a batch) with too few big tiles
@@ -358,8 +362,7 @@ _TILE_RATE = {(128, 256): 1.0, (256, 128): 0.95, (128, 128): 0.76, (64, 128): 0.
 def _long_k_time(p: MatmulProblem, c: LaunchConfig) -> float:
     """A tile shape's time for ``p`` up to a constant: its waves times its area over its rate."""
     bm, bn = c["BLOCK_M"], c["BLOCK_N"]
-    waves = cdiv(cdiv(p.m, bm) * cdiv(p.n, bn) * p.batch, sm_count())
-    return waves * bm * bn / _TILE_RATE.get((bm, bn), 0.3)
+    return cdiv(_tiles(p, c), sm_count()) * bm * bn / _TILE_RATE.get((bm, bn), 0.3)
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -377,7 +380,7 @@ class TiledEngine(Engine[MatmulProblem]):
 
     def cost(self, problem: MatmulProblem) -> float:
         c = self.configs(problem)[0]
-        programs = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"]) * problem.batch
+        programs = _tiles(problem, c)
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
         compute = 0.8 * _wave_util(programs) * slow_tf32 * _in_place_rate(problem)

@@ -13,6 +13,11 @@ One problem is one layer's recurrence (both directions together), forward or bac
   another). Good while the weights stay in L1 or the batch gives enough programs; each program
   rereads all of W_hh every step, so for large H it is bounded by one multiprocessor's cache
   bandwidth.
+* ``persistent-spread``: the tiled kernels with the hidden tiles of a batch block shared by up
+  to one program per multiprocessor (cuDNN's persistent algorithm spread over the GPU): each
+  program rereads only its slice of the weights, from L1 when it fits; the programs of a batch
+  block meet on a counter in global memory after each phase of a step, which needs them all
+  resident at once (no more programs than multiprocessors). The engine for large H.
 * ``per-step``: one launch per step (two with a projection, two per step backward), a program
   per (hidden tile, batch block, direction): many more programs, each reading only its slice of
   the weights, at the cost of a launch per step. The fallback for large hidden sizes.
@@ -44,12 +49,16 @@ CELL_IDS = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 # 64 fp32 registers a thread; 16-bit weights take half the registers.
 RESIDENT_ELEMENTS = {"float64": 8192, "float32": 16384, "float16": 32768, "bfloat16": 32768}
 
-_FLOPS_PER_SM_US = {"float64": 0.25e6, "float32": 0.38e6, "tf32": 2.0e6, "float16": 3.0e6, "bfloat16": 3.0e6}
+_FLOPS_PER_SM_US = {"float64": 0.25e6, "float32": 0.7e6, "tf32": 2.0e6, "float16": 3.0e6, "bfloat16": 3.0e6}
 _L1_BYTES_PER_SM_US = 150e3
 _L2_BYTES_PER_SM_US = 40e3
 _L1_BYTES = 160 * 1024
 _STEP_US = 1.5
-_LAUNCH_US = 4.0
+_LAUNCH_US = 6.5  # H100, LSTM H512 B64 bf16 per-step forward: 9.6 us a step
+_REDUCTION_STEP_US = 1.0  # a per-step program's dependent L2 reads, per BLOCK_K of the reduction
+# A step of the spread engine beyond its products and reads: the programs meeting on a counter
+# and the latency of the step's dependent loads (H100, LSTM H512 B64 bf16: 6.7 us a step).
+_MEET_US = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +131,16 @@ def _pad(n: int) -> int:
 
 
 def dot_constexprs(p: RNNProblem) -> tuple:
-    """ACC, PRECISION, UPCAST for the kernels' products."""
+    """ACC, PRECISION, UPCAST for the kernels' products. fp32 without TF32 multiplies as three
+    TF32 products (each operand split into a TF32 head and tail; the tail x tail term dropped):
+    about fp32's accuracy on tensor cores, where Triton's fp32 "ieee" dot runs on the FMA units
+    at a fraction of the speed (H100, LSTM T256 B64 H512 forward recurrence: 4.3 ms against 10.3)."""
     acc = tl.float64 if p.dtype == "float64" else tl.float32
-    return acc, "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16"
+    if p.dtype != "float32":
+        precision = "ieee"
+    else:
+        precision = "tf32" if p.tf32 else "tf32x3"
+    return acc, precision, INTERPRET and p.dtype == "bfloat16"
 
 
 def _describe(
@@ -279,27 +295,95 @@ class PersistentTiledEngine(Engine[RNNProblem]):
         return out
 
     def bind(self, p: RNNProblem, config: LaunchConfig) -> Callable[..., None]:
-        bb = config["BLOCK_B"]
-        blocks = (bb, config["BLOCK_H"], config["BLOCK_P"], config["BLOCK_K"])
-        consts = (*_flags(p), *dot_constexprs(p), *blocks)
-        kernel = K._backward_tiled_kernel if p.backward else K._forward_tiled_kernel
-        run = launcher(
-            kernel, (cdiv(p.batch, bb), p.directions), 17 if p.backward else 14, _ints(p), consts,
-            num_warps=config["num_warps"], num_stages=2,
-        )  # fmt: skip
-        if p.backward:
+        return _bind_tiled(p, {**config, "SPLIT": 1}, sync=False)
 
-            def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
-                dhbuf, dcbuf = _grad_buffers(dhn, dcn, p)
-                run(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0, dhbuf, dcbuf)
 
-            return backward
+def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[..., None]:
+    """The tiled persistent kernels on grid (SPLIT, batch blocks, directions); ``sync``: the
+    programs of a group synchronize through counters (zeroed each call)."""
+    bb, split = config["BLOCK_B"], config["SPLIT"]
+    blocks = (bb, config["BLOCK_H"], config["BLOCK_P"], config["BLOCK_K"])
+    consts = (*_flags(p), *dot_constexprs(p), *blocks, split, sync, ".cg" if sync else "")
+    kernel = K._backward_tiled_kernel if p.backward else K._forward_tiled_kernel
+    groups = cdiv(p.batch, bb) * p.directions
+    run = launcher(
+        kernel, (split, cdiv(p.batch, bb), p.directions), 18 if p.backward else 15, _ints(p), consts,
+        num_warps=config["num_warps"], num_stages=config.get("num_stages", 2),
+    )  # fmt: skip
 
-        def forward(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht) -> None:
-            _init_state(hbuf, cbuf, h0, c0, p)
-            run(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht)
+    def counters(like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(groups, dtype=torch.int32, device=like.device) if sync else like
 
-        return forward
+    if p.backward:
+
+        def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
+            dhbuf, dcbuf = _grad_buffers(dhn, dcn, p)
+            run(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0, dhbuf, dcbuf,
+                counters(dy))  # fmt: skip
+
+        return backward
+
+    def forward(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht) -> None:
+        _init_state(hbuf, cbuf, h0, c0, p)
+        run(x, whh, bhh, whr, h0, c0, lens, y, hn, cn, sv, hbuf, cbuf, ht, counters(x))
+
+    return forward
+
+
+@FAMILY.register
+class PersistentSpreadEngine(Engine[RNNProblem]):
+    """The persistent algorithm spread over multiprocessors: the hidden tiles of a batch block
+    shared by up to one program per multiprocessor, each keeping its weight slice in L1, the
+    programs meeting on a counter after each phase of a step."""
+
+    name = "persistent-spread"
+
+    def not_supported_reasons(self, p: RNNProblem) -> list[str]:
+        return _int32_reasons(p)
+
+    @staticmethod
+    def _step_us(p: RNNProblem, cfg: LaunchConfig) -> float:
+        """One step of one program: its tiles' products, its weight slice reread from L1 (L2 when
+        it does not fit), the state rows read from L2 for each tile, and a meeting per phase."""
+        bb, bh, split = cfg["BLOCK_B"], cfg["BLOCK_H"], cfg["SPLIT"]
+        tiles = cdiv(cdiv(p.hidden, bh), split)
+        phases = 2 if p.backward or p.proj else 1
+        flops = 2 * bb * tiles * bh * p.gates * p.state * phases
+        weights = tiles * bh * p.gates * p.state * p.elem * phases
+        states = tiles * bb * p.state * p.elem * phases
+        cache = _L1_BYTES_PER_SM_US if weights <= _L1_BYTES else _L2_BYTES_PER_SM_US
+        meetings = 2 if p.proj else 1  # unprojected, a backward step's second phase needs none
+        return max(flops / p.rate(), weights / cache, states / _L2_BYTES_PER_SM_US) + meetings * _MEET_US
+
+    def cost(self, p: RNNProblem) -> float:
+        return p.steps * self._step_us(p, self._shapes(p)[0])
+
+    def configs(self, p: RNNProblem) -> list[LaunchConfig]:
+        if INTERPRET:  # programs run one after another there: one program per group
+            return [{"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "num_warps": 4}]
+        return self._shapes(p)
+
+    @staticmethod
+    def _shapes(p: RNNProblem) -> list[LaunchConfig]:
+        """Tile shapes, each with as many programs per group as there are tiles and
+        multiprocessors for (all must be resident at once). First the shape that was fastest on
+        every shape swept (H100: LSTM H512 B64 and H1024 B32/B64, bf16 and fp32, forward and
+        backward): 16 batch rows by 32 hidden units, 64-wide reduction steps, 3 stages in 16 bits."""
+        wide = p.elem <= 4
+        out: list[LaunchConfig] = []
+        for bb, bh, bk, stages in ((16, 32, 64, 3 if p.elem < 4 else 2), (16, 16, 64, 3), (32, 16, 64, 3),
+                                   (16, 32, 32, 3), (32, 32, 64, 2)):  # fmt: skip
+            bb, bh = min(bb, _block_b(p, 64)), min(bh, _pad(min(p.hidden, p.state)))
+            groups = cdiv(p.batch, bb) * p.directions
+            split = max(1, min(cdiv(p.hidden, bh), sm_count() // groups))
+            cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk if wide else 32, "SPLIT": split,
+                   "num_warps": 4, "num_stages": stages}  # fmt: skip
+            if cfg not in out:
+                out.append(cfg)
+        return out
+
+    def bind(self, p: RNNProblem, config: LaunchConfig) -> Callable[..., None]:
+        return _bind_tiled(p, config, sync=True)
 
 
 @FAMILY.register
@@ -314,23 +398,28 @@ class PerStepEngine(Engine[RNNProblem]):
     @staticmethod
     def _step_us(p: RNNProblem, cfg: LaunchConfig) -> float:
         """One step: its launches, then waves of programs each multiplying a (BLOCK_B, P) state
-        block by its (P, gates x BLOCK_H) weight slice, read from L2."""
+        block by its (P, gates x BLOCK_H) weight slice, read from L2 one reduction step after
+        another (their latency: H100 LSTM H512 B64 fp32 measured 29.6 us a step, H1024 B32 53)."""
         bb, bh = cfg["BLOCK_B"], cfg["BLOCK_H"]
         programs = cdiv(p.hidden, bh) * cdiv(p.batch, bb) * p.directions
         flops = 2 * bb * bh * p.gates * p.state
         nbytes = (bh * p.gates + bb) * p.state * p.elem
-        work = max(flops / p.rate(), nbytes / _L2_BYTES_PER_SM_US) + _STEP_US / 2
+        latency = cdiv(p.state, cfg["BLOCK_K"]) * _REDUCTION_STEP_US
+        work = max(flops / p.rate(), nbytes / _L2_BYTES_PER_SM_US) + _STEP_US / 2 + latency
         launches = 2 if p.backward or p.proj else 1
         return launches * (_LAUNCH_US + cdiv(programs, sm_count()) * work)
 
     def cost(self, p: RNNProblem) -> float:
-        return p.steps * self._step_us(p, self.configs(p)[0])
+        return p.steps * self._step_us(p, self._shapes(p)[0])
 
     def configs(self, p: RNNProblem) -> list[LaunchConfig]:
-        """Tile shapes, the cheapest by the cost model first: enough programs to fill the GPU
-        against weight slices small enough to stream quickly."""
         if INTERPRET:
             return [{"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "num_warps": 4}]
+        return self._shapes(p)
+
+    def _shapes(self, p: RNNProblem) -> list[LaunchConfig]:
+        """Tile shapes, the cheapest by the cost model first: enough programs to fill the GPU
+        against weight slices small enough to stream quickly."""
         bk = 32 if p.elem >= 4 else 64
         out: list[LaunchConfig] = []
         for bb in (16, 32, 64):

@@ -389,10 +389,11 @@ def _forward_tile(
     s, jt, d, b, b_mask, n, T, B, H, P, NS,
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, PROJ: tl.constexpr,
     SAVE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     """Gates and cell update of hidden units ``jt * BLOCK_H ...`` at step s: reads the state slot
-    of time t, writes the next slot (projected: o * tanh(c) into ht, for ``_project_tile``)."""
+    of time t, writes the next slot (projected: o * tanh(c) into ht, for ``_project_tile``).
+    ``CACHE``: the load cache modifier of what other programs wrote (the whole state)."""
     t = _time(s, d, T, False)
     active = (t < n)[:, None]
     DT = y_ptr.dtype.element_ty
@@ -406,7 +407,10 @@ def _forward_tile(
     for k0 in range(0, P, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         hk = tl.load(
-            hbuf_ptr + read[:, None] * P + k[None, :], mask=b_mask[:, None] & (k < P)[None, :], other=0.0
+            hbuf_ptr + read[:, None] * P + k[None, :],
+            mask=b_mask[:, None] & (k < P)[None, :],
+            other=0.0,
+            cache_modifier=CACHE,
         )
         wt = whh_ptr + (d * G + j[None, :]) * P + k[:, None]
         wm = (k < P)[:, None] & (j < H)[None, :]
@@ -454,7 +458,7 @@ def _project_tile(
     whr_ptr, y_ptr, hn_ptr, hbuf_ptr, ht_ptr,
     s, pt, d, b, b_mask, n, T, B, H, P, NS,
     D: tl.constexpr, SAVE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     """State columns ``pt * BLOCK_P ...`` of a projected LSTM at step s: (o * tanh(c)) W_hr^T."""
     t = _time(s, d, T, False)
@@ -471,7 +475,10 @@ def _project_tile(
     for j0 in range(0, H, BLOCK_K):
         j = j0 + tl.arange(0, BLOCK_K)
         hk = tl.load(
-            ht_ptr + ht_row[:, None] * H + j[None, :], mask=b_mask[:, None] & (j < H)[None, :], other=0.0
+            ht_ptr + ht_row[:, None] * H + j[None, :],
+            mask=b_mask[:, None] & (j < H)[None, :],
+            other=0.0,
+            cache_modifier=CACHE,
         )
         w = tl.load(
             whr_ptr + d * P * H + k[None, :] * H + j[:, None],
@@ -496,7 +503,7 @@ def _grad_gates_tile(
     s, jt, d, b, b_mask, n, T, B, H, P, NS,
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, PROJ: tl.constexpr, ACC: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
     """Backward step s, phase 1: gate gradients of hidden units ``jt * BLOCK_H ...`` from the
     running state gradient (slot s % 2 of dhbuf) plus dy, and the cell-state gradient."""
@@ -513,9 +520,9 @@ def _grad_gates_tile(
             k = k0 + tl.arange(0, BLOCK_K)
             pm = b_mask[:, None] & (k < P)[None, :]
             dy = convert(tl.load(dy_ptr + row[:, None] * P + k[None, :], mask=pm, other=0.0), ACC)
-            dh = tl.load(dhbuf_ptr + grad[:, None] * P + k[None, :], mask=pm, other=0.0) + tl.where(
-                active, dy, 0.0
-            )
+            dh = tl.load(
+                dhbuf_ptr + grad[:, None] * P + k[None, :], mask=pm, other=0.0, cache_modifier=CACHE
+            ) + tl.where(active, dy, 0.0)
             if jt == 0:
                 tl.store(
                     dhs_ptr + row[:, None] * P + k[None, :], convert(tl.where(active, dh, 0.0), DT), mask=pm
@@ -562,6 +569,7 @@ def _grad_state_tile(
     s, pt, d, b, b_mask, n, T, B, H, P,
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    CACHE: tl.constexpr,
 ):  # fmt: skip
     """Backward step s, phase 2: state columns ``pt * BLOCK_P ...`` of the gradient passed to the
     previous step, ``da @ W_hh`` (GRU: + dh * z), into slot (s + 1) % 2 of dhbuf."""
@@ -578,9 +586,13 @@ def _grad_state_tile(
             j = j0 + tl.arange(0, BLOCK_K)
             am = b_mask[:, None] & (j < H)[None, :]
             if CELL == 1 and g == 2:
-                da = tl.load(dah_ptr + row[:, None] * H + j[None, :], mask=am, other=0.0)
+                da = tl.load(
+                    dah_ptr + row[:, None] * H + j[None, :], mask=am, other=0.0, cache_modifier=CACHE
+                )
             else:
-                da = tl.load(da_ptr + row[:, None] * G + g * H + j[None, :], mask=am, other=0.0)
+                da = tl.load(
+                    da_ptr + row[:, None] * G + g * H + j[None, :], mask=am, other=0.0, cache_modifier=CACHE
+                )
             w = tl.load(
                 whh_ptr + (d * G + g * H + j[:, None]) * P + k[None, :],
                 mask=(j < H)[:, None] & (k < P)[None, :],
@@ -601,67 +613,103 @@ def _grad_state_tile(
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiled persistent kernels: one program per (batch block, direction) loops over steps and tiles.
-# A program owns all of H for its rows, so a step needs only the program's own barrier between
-# writing the state and reading it back (no grid-wide synchronization).
+# Tiled persistent kernels: grid (SPLIT, batch blocks, directions); the SPLIT programs of a batch
+# block and direction share its hidden tiles (tile ``part``, ``part + SPLIT``, ...) and loop over
+# the steps together. With SPLIT = 1 a program owns all of H for its rows and a phase ends with its
+# own barrier. With SYNC, a phase ends on the group's counter (cuDNN's persistent algorithm spread
+# over multiprocessors): every program of the group must be resident at once, which the engine
+# ensures by launching no more programs than multiprocessors; and what other programs wrote is
+# read with CACHE = ".cg" (from L2: L1 is not coherent across multiprocessors).
+
+
+@triton.jit
+def _phase_done(counter_ptr, arrivals, SYNC: tl.constexpr):
+    """Returns once every program of the group has finished the phase: with SYNC, when the group's
+    counter reaches ``arrivals`` (its programs times the phases done so far, this one included);
+    without, when this program's threads have (a program that owns all of H)."""
+    tl.debug_barrier()  # every thread's writes of the phase are issued before the program arrives
+    if SYNC:
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        while seen < arrivals:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        tl.debug_barrier()
 
 
 @triton.jit
 def _forward_tiled_kernel(
     x_ptr, whh_ptr, bhh_ptr, whr_ptr, h0_ptr, c0_ptr, len_ptr, y_ptr, hn_ptr, cn_ptr, sv_ptr, hbuf_ptr,
-    cbuf_ptr, ht_ptr,
+    cbuf_ptr, ht_ptr, sync_ptr,
     T, B, H, P, NS,
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, PROJ: tl.constexpr,
     HAS_LEN: tl.constexpr, SAVE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SYNC: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    d = tl.program_id(1)
-    b, b_mask = _batch(tl.program_id(0), B, BLOCK_B)
+    """``sync_ptr`` (D, batch blocks) int32 zeros: the groups' counters (with SYNC)."""
+    part = tl.program_id(0)
+    d = tl.program_id(2)
+    b, b_mask = _batch(tl.program_id(1), B, BLOCK_B)
+    counter = sync_ptr + d * tl.num_programs(1) + tl.program_id(1)
     n = _lengths(len_ptr, b, b_mask, T, HAS_LEN)
+    arrived = 0
     for s in range(T):
-        for jt in range(0, tl.cdiv(H, BLOCK_H)):
+        for jt in range(part, tl.cdiv(H, BLOCK_H), SPLIT):
             _forward_tile(
                 x_ptr, whh_ptr, bhh_ptr, y_ptr, hn_ptr, cn_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr,
                 s, jt, d, b, b_mask, n, T, B, H, P, NS,
-                CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K,
+                CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, CACHE,
             )  # fmt: skip
-        tl.debug_barrier()  # the new state (or ht) is written before any thread reads it
+        arrived += SPLIT
+        _phase_done(counter, arrived, SYNC)  # the new state (or ht) is written before any is read
         if PROJ:
-            for pt in range(0, tl.cdiv(P, BLOCK_P)):
+            for pt in range(part, tl.cdiv(P, BLOCK_P), SPLIT):
                 _project_tile(
                     whr_ptr, y_ptr, hn_ptr, hbuf_ptr, ht_ptr, s, pt, d, b, b_mask, n, T, B, H, P, NS,
-                    D, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K,
+                    D, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K, CACHE,
                 )  # fmt: skip
-            tl.debug_barrier()
+            arrived += SPLIT
+            _phase_done(counter, arrived, SYNC)
 
 
 @triton.jit
 def _backward_tiled_kernel(
     dy_ptr, dhn_ptr, dcn_ptr, whh_ptr, whr_ptr, len_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr, da_ptr, dah_ptr,
-    dhs_ptr, dh0_ptr, dc0_ptr, dhbuf_ptr, dcbuf_ptr,
+    dhs_ptr, dh0_ptr, dc0_ptr, dhbuf_ptr, dcbuf_ptr, sync_ptr,
     T, B, H, P, NS,
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, PROJ: tl.constexpr, HAS_LEN: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, SYNC: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    d = tl.program_id(1)
-    b, b_mask = _batch(tl.program_id(0), B, BLOCK_B)
+    """As the forward. Unprojected, BLOCK_P == BLOCK_H: a program's state-gradient tiles (phase 2)
+    are the columns its gate tiles (phase 1 of the next step) read, so only phase 1 ends on the
+    group's counter."""
+    part = tl.program_id(0)
+    d = tl.program_id(2)
+    b, b_mask = _batch(tl.program_id(1), B, BLOCK_B)
+    counter = sync_ptr + d * tl.num_programs(1) + tl.program_id(1)
     n = _lengths(len_ptr, b, b_mask, T, HAS_LEN)
+    arrived = 0
     for s in range(T):
-        for jt in range(0, tl.cdiv(H, BLOCK_H)):
+        for jt in range(part, tl.cdiv(H, BLOCK_H), SPLIT):
             _grad_gates_tile(
                 dy_ptr, whr_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, da_ptr, dah_ptr, dhs_ptr, dc0_ptr, dhbuf_ptr,
                 dcbuf_ptr, s, jt, d, b, b_mask, n, T, B, H, P, NS,
-                CELL, NG, D, PROJ, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K,
+                CELL, NG, D, PROJ, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, CACHE,
             )  # fmt: skip
-        tl.debug_barrier()  # every gate gradient of the step is written before phase 2 reads them
-        for pt in range(0, tl.cdiv(P, BLOCK_P)):
+        arrived += SPLIT
+        _phase_done(counter, arrived, SYNC)  # every gate gradient of the step is written before phase 2
+        for pt in range(part, tl.cdiv(P, BLOCK_P), SPLIT):
             _grad_state_tile(
                 dy_ptr, whh_ptr, sv_ptr, da_ptr, dah_ptr, dh0_ptr, dhbuf_ptr, s, pt, d, b, b_mask, n,
-                T, B, H, P, CELL, NG, D, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K,
+                T, B, H, P, CELL, NG, D, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K, CACHE,
             )  # fmt: skip
-        tl.debug_barrier()
+        if PROJ:
+            arrived += SPLIT
+            _phase_done(counter, arrived, SYNC)
+        else:
+            tl.debug_barrier()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -688,12 +736,12 @@ def _forward_step_kernel(
         _forward_tile(
             x_ptr, whh_ptr, bhh_ptr, y_ptr, hn_ptr, cn_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr,
             s, tl.program_id(0), d, b, b_mask, n, T, B, H, P, NS,
-            CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K,
+            CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, "",
         )  # fmt: skip
     else:
         _project_tile(
             whr_ptr, y_ptr, hn_ptr, hbuf_ptr, ht_ptr, s, tl.program_id(0), d, b, b_mask, n, T, B, H, P, NS,
-            D, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K,
+            D, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K, "",
         )  # fmt: skip
 
 
@@ -716,10 +764,10 @@ def _backward_step_kernel(
         _grad_gates_tile(
             dy_ptr, whr_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, da_ptr, dah_ptr, dhs_ptr, dc0_ptr, dhbuf_ptr,
             dcbuf_ptr, s, tl.program_id(0), d, b, b_mask, n, T, B, H, P, NS,
-            CELL, NG, D, PROJ, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K,
+            CELL, NG, D, PROJ, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, "",
         )  # fmt: skip
     else:
         _grad_state_tile(
             dy_ptr, whh_ptr, sv_ptr, da_ptr, dah_ptr, dh0_ptr, dhbuf_ptr, s, tl.program_id(0), d, b,
-            b_mask, n, T, B, H, P, CELL, NG, D, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K,
+            b_mask, n, T, B, H, P, CELL, NG, D, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_P, BLOCK_K, "",
         )  # fmt: skip

@@ -581,10 +581,10 @@ def _grad_state_tile(
     pm = b_mask[:, None] & (k < P)[None, :]
     row = (t * B + b) * D + d
     acc = tl.zeros([BLOCK_B, BLOCK_P], ACC)
-    for g in tl.static_range(NG):
-        for j0 in range(0, H, BLOCK_K):
-            j = j0 + tl.arange(0, BLOCK_K)
-            am = b_mask[:, None] & (j < H)[None, :]
+    for j0 in range(0, H, BLOCK_K):  # the gates inside: one pipelined loop, NG loads in flight
+        j = j0 + tl.arange(0, BLOCK_K)
+        am = b_mask[:, None] & (j < H)[None, :]
+        for g in tl.static_range(NG):
             if CELL == 1 and g == 2:
                 da = tl.load(
                     dah_ptr + row[:, None] * H + j[None, :], mask=am, other=0.0, cache_modifier=CACHE

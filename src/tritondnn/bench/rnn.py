@@ -6,6 +6,10 @@ TFLOP/s count the matrix products: per layer and direction ``2 * T * B * G * (I_
 = 4H (LSTM) or 3H (GRU); forward+backward counts 3x the forward. Forward cases also time
 ``tritondnn.recurrence``: the recurrent kernels alone (the input projections left out), whose
 ratio to ``tritondnn`` is the fraction of the time spent in the recurrence.
+
+fp32 cases compare like with like twice: ``tritondnn`` (fp32 products) against
+``cudnn-no-tf32``, and ``tritondnn.tf32`` (``tdnn.config.allow_tf32``) against ``cudnn``, which
+PyTorch runs on TF32 tensor cores by default (``torch.backends.cudnn.allow_tf32``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
+from ..core.config import config
 from ..ops import rnn as ops_rnn
 from . import Case, providers
 
@@ -39,13 +44,22 @@ def _forward(fn: Callable, *args) -> object:
         return fn(*args)
 
 
-def _without_tf32(fn: Callable, *args) -> object:
+def _cudnn_without_tf32(fn: Callable, *args) -> object:
     allowed = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        return _forward(fn, *args)
+        return fn(*args)
     finally:
         torch.backends.cudnn.allow_tf32 = allowed
+
+
+def _ours_with_tf32(fn: Callable, *args) -> object:
+    allowed = config.allow_tf32
+    config.allow_tf32 = True
+    try:
+        return fn(*args)
+    finally:
+        config.allow_tf32 = allowed
 
 
 def _fwd_bwd(fn: Callable, x: torch.Tensor, params: list[torch.Tensor]) -> tuple:
@@ -86,15 +100,15 @@ def _cases(cell: str, steps: int, batch: int, inputs: int, hidden: int, layers: 
     def ours(x: torch.Tensor, weights=weights) -> tuple:
         return ours_fn(x, None, weights, True, layers)
 
+    tf32 = dtype == torch.float32 and not INTERPRET
     anchors = {anchor: partial(_forward, module, x)}
-    if dtype == torch.float32 and not INTERPRET:
-        # cuDNN runs fp32 RNNs on TF32 tensor cores by default (cudnn.allow_tf32); tritondnn
-        # keeps fp32 unless tdnn.config.allow_tf32: both anchors are shown.
-        anchors["cudnn-no-tf32"] = partial(_without_tf32, module, x)
+    if tf32:
+        anchors["cudnn-no-tf32"] = partial(_cudnn_without_tf32, _forward, module, x)
     yield Case(
         f"{label} fwd",
         providers(
             tritondnn=partial(_forward, ours, x),
+            tritondnn_tf32=partial(_ours_with_tf32, _forward, ours, x) if tf32 else None,
             tritondnn_recurrence=_recurrence(cell, module, x),
             **anchors,
         ),
@@ -106,11 +120,14 @@ def _cases(cell: str, steps: int, batch: int, inputs: int, hidden: int, layers: 
     def ours_grad(x: torch.Tensor) -> tuple:
         return ours_fn(x, None, params, True, layers)
 
+    theirs = list(module.parameters())
     yield Case(
         f"{label} fwd+bwd",
         providers(
             tritondnn=partial(_fwd_bwd, ours_grad, xg, params),
-            **{anchor: partial(_fwd_bwd, module, xg, list(module.parameters()))},
+            tritondnn_tf32=partial(_ours_with_tf32, _fwd_bwd, ours_grad, xg, params) if tf32 else None,
+            **{anchor: partial(_fwd_bwd, module, xg, theirs)},
+            **({"cudnn-no-tf32": partial(_cudnn_without_tf32, _fwd_bwd, module, xg, theirs)} if tf32 else {}),
         ),
         flops=3 * flops,
     )

@@ -403,6 +403,16 @@ def _forward_tile(
     read = (d * NS + (t + d) % NS) * B + b
     write = (d * NS + (t + 1 - d) % NS) * B + b
     zero = tl.zeros([BLOCK_B, BLOCK_H], ACC)
+    # What does not depend on the state first: its loads are in flight during the products.
+    b0, b1, b2, b3 = _biases(bhh_ptr + d * G, j, H, NG, HAS_BIAS, ACC)
+    row = (t * B + b) * D + d
+    x0, x1, x2, x3 = _gate_rows(x_ptr + row[:, None] * G + j[None, :], hm, H, NG, ACC)
+    c = zero
+    if CELL == 0:
+        c = tl.load(cbuf_ptr + read[:, None] * H + j[None, :], mask=hm, other=0.0)
+    h_old = convert(zero, DT)
+    if not PROJ:  # P == H: this tile's columns of the state
+        h_old = tl.load(hbuf_ptr + read[:, None] * P + j[None, :], mask=hm, other=0.0)
     a0, a1, a2, a3 = zero, zero, zero, zero
     for k0 in range(0, P, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -420,15 +430,6 @@ def _forward_tile(
             a2 = dot(hk, tl.load(wt + 2 * H * P, mask=wm, other=0.0), a2, PRECISION, UPCAST)
         if NG > 3:
             a3 = dot(hk, tl.load(wt + 3 * H * P, mask=wm, other=0.0), a3, PRECISION, UPCAST)
-    b0, b1, b2, b3 = _biases(bhh_ptr + d * G, j, H, NG, HAS_BIAS, ACC)
-    row = (t * B + b) * D + d
-    x0, x1, x2, x3 = _gate_rows(x_ptr + row[:, None] * G + j[None, :], hm, H, NG, ACC)
-    c = zero
-    if CELL == 0:
-        c = tl.load(cbuf_ptr + read[:, None] * H + j[None, :], mask=hm, other=0.0)
-    h_old = convert(zero, DT)
-    if not PROJ:  # P == H: this tile's columns of the state
-        h_old = tl.load(hbuf_ptr + read[:, None] * P + j[None, :], mask=hm, other=0.0)
     out, c_new, s0, s1, s2, s3 = _cell_forward(
         a0 + b0, a1 + b1, a2 + b2, a3 + b3, x0, x1, x2, x3, c, convert(h_old, ACC), CELL
     )
@@ -580,6 +581,13 @@ def _grad_state_tile(
     k = pt * BLOCK_P + tl.arange(0, BLOCK_P)
     pm = b_mask[:, None] & (k < P)[None, :]
     row = (t * B + b) * D + d
+    # What the products do not change first: its loads are in flight during them.
+    dy = convert(tl.load(dy_ptr + row[:, None] * P + k[None, :], mask=pm, other=0.0), ACC)
+    read = (d * 2 + s % 2) * B + b
+    dh = tl.load(dhbuf_ptr + read[:, None] * P + k[None, :], mask=pm, other=0.0) + tl.where(active, dy, 0.0)
+    z = dh
+    if CELL == 1:  # P == H: z of these columns
+        z = convert(tl.load(sv_ptr + row[:, None] * (4 * H) + H + k[None, :], mask=pm, other=0.0), ACC)
     acc = tl.zeros([BLOCK_B, BLOCK_P], ACC)
     for j0 in range(0, H, BLOCK_K):  # the gates inside: one pipelined loop, NG loads in flight
         j = j0 + tl.arange(0, BLOCK_K)
@@ -599,11 +607,7 @@ def _grad_state_tile(
                 other=0.0,
             )
             acc = dot(da, w, acc, PRECISION, UPCAST)
-    dy = convert(tl.load(dy_ptr + row[:, None] * P + k[None, :], mask=pm, other=0.0), ACC)
-    read = (d * 2 + s % 2) * B + b
-    dh = tl.load(dhbuf_ptr + read[:, None] * P + k[None, :], mask=pm, other=0.0) + tl.where(active, dy, 0.0)
-    if CELL == 1:  # P == H: z of these columns
-        z = convert(tl.load(sv_ptr + row[:, None] * (4 * H) + H + k[None, :], mask=pm, other=0.0), ACC)
+    if CELL == 1:  # h' = ... + z h
         acc += dh * z
     dh = tl.where(active, acc, dh)
     write = (d * 2 + (s + 1) % 2) * B + b
@@ -629,8 +633,9 @@ def _phase_done(counter_ptr, arrivals, SYNC: tl.constexpr):
     without, when this program's threads have (a program that owns all of H)."""
     tl.debug_barrier()  # every thread's writes of the phase are issued before the program arrives
     if SYNC:
-        tl.atomic_add(counter_ptr, 1, sem="release")
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        # The arrival's own count tells the last program to arrive (the one the others wait for)
+        # that it need not poll: one round trip to L2 less on each phase's critical path.
+        seen = tl.atomic_add(counter_ptr, 1, sem="acq_rel") + 1
         while seen < arrivals:
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
         tl.debug_barrier()

@@ -1,6 +1,6 @@
-"""Recurrent kernels: the persistent recurrence (weights resident on chip, or streamed in tiles)
-and the per-step fallback, forward and backward through time, with the gate nonlinearities and
-the cell update fused in.
+"""Recurrent kernels: the persistent recurrence (weights resident on chip, or streamed in tiles by
+one program or by programs spread over the multiprocessors) and the per-step fallback, forward
+and backward through time, with the gate nonlinearities and the cell update fused in.
 
 The input projection ``x W_ih^T + b_ih`` of every step and the weight gradients are large GEMMs
 done outside (``ops.matmul``); these kernels do only what must be sequential in time.
@@ -29,6 +29,7 @@ the state slots' rows (D * NS * B), which the engines keep below 2**31 (``_int32
   the gradient of ``h W_hn^T + b_hn``. ``dhs`` as y, projected LSTM only: the gradient of each
   step's output state. ``dh0``, ``dc0`` as h0, c0. ``dhbuf`` (D, 2, B, P) and ``dcbuf`` (D, B, H),
   fp32: the running state gradients of the tiled kernels (a double buffer, and one slot).
+* ``sync_ptr`` (tiled kernels): int32 counters, one per (direction, batch block), zeroed.
 * Step kernels take ``step``: an int32 tensor whose first element is the step index (a tensor, so
   that the per-step launches go through the launcher's fast path with fixed ints).
 * Ints: T, B, H, P, NS.
@@ -36,16 +37,19 @@ the state slots' rows (D * NS * B), which the engines keep below 2**31 (``_int32
   SAVE (write sv, ht and every slot for the backward pass); ACC the arithmetic dtype (fp32, fp64
   for fp64); PRECISION, UPCAST as ``ops.matmul``'s dot; BLOCK_B batch rows per program; H_PAD,
   P_PAD (resident kernels: H and P padded to a power of two); BLOCK_H, BLOCK_P, BLOCK_K (tiled:
-  tile widths over H, over P, and over the reduction).
+  tile widths over H, over P, and over the reduction); SPLIT, SYNC, CACHE (tiled kernels:
+  programs per batch block and direction, whether they meet on counters, and the cache modifier
+  of loads of what other programs wrote).
 
 Step s of direction d is time ``s`` (d = 0) or ``T - 1 - s`` (d = 1) forward, the reverse order
 backward. A step past a sequence's length leaves its state and state gradient unchanged, writes
 a zero output and zero gate gradients: finished sequences stop, as cuDNN's do.
 
-Numerics: products accumulate in fp32 (fp64 for fp64); the state h is rounded to the input dtype
-where it feeds the next product (as PyTorch keeps it), the cell state c stays fp32. The backward
-pass multiplies gate gradients rounded to the input dtype by the weights (tensor cores for 16-bit
-types), accumulating in fp32.
+Numerics: products accumulate in fp32 (fp64 for fp64), fp32 operands multiplied as three TF32
+products unless TF32 is allowed (``engines.dot_constexprs``); the state h is rounded to the input
+dtype where it feeds the next product (as PyTorch keeps it), the cell state c stays fp32. The
+backward pass multiplies gate gradients rounded to the input dtype by the weights (tensor cores
+for 16-bit types), accumulating in fp32.
 """
 
 from __future__ import annotations
@@ -379,7 +383,7 @@ def _store_gates(da_ptr, dah_ptr, row, j, mask, H, da0, da1, da2, da3, CELL: tl.
 
 # ---------------------------------------------------------------------------------------------
 # Tiles: one step of one batch block over a tile of hidden units (or of state columns), the
-# weights streamed from L2. The persistent tiled kernels loop over steps and tiles in one program
+# weights streamed from cache. The persistent tiled kernels loop over steps and tiles in programs
 # per (batch block, direction); the step kernels run one tile per program, one launch per step.
 
 

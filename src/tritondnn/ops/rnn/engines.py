@@ -17,7 +17,11 @@ One problem is one layer's recurrence (both directions together), forward or bac
   to one program per multiprocessor (cuDNN's persistent algorithm spread over the GPU): each
   program rereads only its slice of the weights, from L1 when it fits; the programs of a batch
   block meet on a counter in global memory after each phase of a step, which needs them all
-  resident at once (no more programs than multiprocessors). The engine for large H.
+  resident at once (no more programs than multiprocessors; each takes a small share of one, so
+  kernels running beside it, such as NCCL's, leave room). A GPU that runs fewer programs at once
+  than its multiprocessor count (an MPS client with an active-thread limit) could leave a group
+  waiting for a program that never starts: there, force another engine (``algo=``). The engine
+  for large H, as cuDNN's persistent algorithm with its cooperative launch.
 * ``per-step``: one launch per step (two with a projection, two per step backward), a program
   per (hidden tile, batch block, direction): many more programs, each reading only its slice of
   the weights, at the cost of a launch per step. The fallback for large hidden sizes.

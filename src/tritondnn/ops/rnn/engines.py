@@ -337,8 +337,8 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
 @FAMILY.register
 class PersistentSpreadEngine(Engine[RNNProblem]):
     """The persistent algorithm spread over multiprocessors: the hidden tiles of a batch block
-    shared by up to one program per multiprocessor, each keeping its weight slice in L1, the
-    programs meeting on a counter after each phase of a step."""
+    shared by up to one program per multiprocessor, each rereading its weight slice every step
+    (from L1 where it fits), the programs meeting on a counter after each phase of a step."""
 
     name = "persistent-spread"
 
@@ -373,14 +373,14 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         multiprocessors for (all must be resident at once). First the shape that was fastest on
         every shape swept (H100: LSTM H512 B64 and H1024 B32/B64, bf16 and fp32, forward and
         backward): 16 batch rows by 32 hidden units, 64-wide reduction steps, 3 stages in 16 bits."""
-        wide = p.elem <= 4
         out: list[LaunchConfig] = []
         for bb, bh, bk, stages in ((16, 32, 64, 3 if p.elem < 4 else 2), (16, 16, 64, 3), (32, 16, 64, 3),
                                    (16, 32, 32, 3), (32, 32, 64, 2)):  # fmt: skip
             bb, bh = min(bb, _block_b(p, 64)), min(bh, _pad(min(p.hidden, p.state)))
             groups = cdiv(p.batch, bb) * p.directions
             split = max(1, min(cdiv(p.hidden, bh), sm_count() // groups))
-            cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk if wide else 32, "SPLIT": split,
+            bk = bk if p.elem <= 4 else 32  # fp64 tiles: half the reduction step, as the other engines
+            cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk, "SPLIT": split,
                    "num_warps": 4, "num_stages": stages}  # fmt: skip
             if cfg not in out:
                 out.append(cfg)

@@ -54,12 +54,8 @@ def _cudnn_without_tf32(fn: Callable, *args) -> object:
 
 
 def _ours_with_tf32(fn: Callable, *args) -> object:
-    allowed = config.allow_tf32
-    config.allow_tf32 = True
-    try:
+    with config.flags(allow_tf32=True):
         return fn(*args)
-    finally:
-        config.allow_tf32 = allowed
 
 
 def _fwd_bwd(fn: Callable, x: torch.Tensor, params: list[torch.Tensor]) -> tuple:

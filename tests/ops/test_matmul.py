@@ -510,6 +510,43 @@ def test_long_reductions_rank_tiles_by_their_rate(monkeypatch):
     assert first_tile(3072, 768, 2048) == (64, 64)  # short: the wave count's pick
 
 
+def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
+    """GPT-2 small's products over 8192 tokens as an H100 (132 SMs, descriptors) would pick them,
+    against the best each measured (bf16, scratch sweeps): weight gradients over the tokens in
+    whole 128x256 or 128x128 tiles (the tiled kernel), 768x768's split in two (split-K priced at
+    small tiles' rates had taken 3072x768's, 125 us against 84); 768 outputs over a K of 2304 or
+    3072 in 128x128 tiles with 4 warps (128x256 tiles' second wave half empty: 63-83 us against
+    54-71); a K of 768 keeps 128x256."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    monkeypatch.setattr(mm_engines, "hopper", lambda: True)
+    monkeypatch.setattr(mm_engines, "INTERPRET", False)
+
+    def pick(m, n, k, a_m_major):
+        a = (
+            torch.empty(k, m, device="meta", dtype=torch.bfloat16).t()
+            if a_m_major
+            else torch.empty(m, k, device="meta", dtype=torch.bfloat16)
+        )
+        b = torch.empty(k, n, device="meta", dtype=torch.bfloat16)
+        p = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False,
+        ).problem  # fmt: skip
+        engine = min(
+            (e for e in mm.FAMILY.engines if not e.not_supported_reasons(p)), key=lambda e: e.cost(p)
+        )
+        c = engine.configs(p)[0]
+        return engine.name, c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c.get("SPLIT", 1)
+
+    assert pick(3072, 768, 8192, True) == pick(768, 3072, 8192, True) == ("tiled", 128, 256, 8, 1)
+    assert pick(2304, 768, 8192, True) == ("tiled", 128, 128, 4, 1)
+    assert pick(768, 768, 8192, True) == ("split-k", 64, 64, 4, 2)
+    for k in (2304, 3072):
+        assert pick(8192, 768, k, False) == ("tma-persistent", 128, 128, 4, 1)
+    assert pick(8192, 3072, 768, False)[:3] == ("tma-persistent", 128, 256)
+    assert pick(8192, 4096, 4096, False)[:3] == ("tma-persistent", 128, 256)  # full waves
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's

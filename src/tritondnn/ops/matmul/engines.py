@@ -337,10 +337,15 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
     configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
     big = configs[0]
     if _tiles(p, big) < sm_count():
-        if p.k >= LONG_K and p.dtypes[0] in ("float16", "bfloat16"):
+        if _long_k(p):
             configs.sort(key=lambda c: _long_k_time(p, c))
         else:
             configs.sort(key=lambda c: -_wave_util(_tiles(p, c)))
+    elif p.dtypes[0] in ("float16", "bfloat16") and p.k > 1024 and _wave_util(_tiles(p, big)) < 0.8:
+        # A last wave of big tiles mostly empty: 128x128 tiles (4 warps) fill theirs. Measured on
+        # H100 (bf16, K-major A; us, 128x256 -> 128x128): 8192x768x2304 63.2 -> 54.3,
+        # 8192x768x3072 79.0 -> 70.5 and 82.8 -> 70.6 (cuBLAS 44, 55, 56).
+        configs.sort(key=lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]) != (128, 128, 4))
     return configs
 
 
@@ -351,18 +356,32 @@ def _tiles(p: MatmulProblem, c: LaunchConfig) -> int:
 
 # A long reduction (weight gradients over the tokens or pixels of a batch) with too few big tiles
 # to fill the SMs: each tile's time grows with K, so the tile's own rate decides more than the
-# idle SMs of a wave. Relative rates of 16-bit tiles, measured on H100 (bf16, GPT-2 small's weight
-# gradients, K = 8192 tokens, A = dy^T M-major; us, kernels bound directly): 3072x768 128x256 85,
-# 64x64 175 (the wave count's pick before), cuBLAS 57; 768x3072 87 against 185; 2304x768 128x128
-# 56, 128x256 85. Through tdnn.matmul the two large ones went from 175 and 185 to 125 and 130.
+# idle SMs of a wave. Rates of 16-bit tiles on one SM, TFLOP/s, measured on H100 (bf16, GPT-2
+# small's weight gradients, K = 8192 tokens, A = dy^T M-major; us, kernels bound directly):
+# 3072x768 128x256 85 (one wave), 64x64 175, cuBLAS 57; 768x3072 87 against 185; 2304x768 128x128
+# 56, 128x256 85; 768x768 64x128 47.4.
 LONG_K = 4096
+_LONG_K_SM_RATE = 6.3  # TFLOP/s of a 128x256 tile on one SM, the others a share of it
 _TILE_RATE = {(128, 256): 1.0, (256, 128): 0.95, (128, 128): 0.76, (64, 128): 0.45, (64, 64): 0.3}
 
 
+def _long_k(p: MatmulProblem) -> bool:
+    """A 16-bit reduction of LONG_K or more whose 128x256 tiles do not fill the SMs."""
+    return (
+        p.k >= LONG_K
+        and p.dtypes[0] in ("float16", "bfloat16")
+        and cdiv(p.m, 128) * cdiv(p.n, 256) * p.batch < sm_count()
+    )
+
+
+def _long_k_us(p: MatmulProblem, bm: int, bn: int, k: int, waves: float) -> float:
+    """Microseconds of ``waves`` rounds of bm x bn tiles reducing over ``k``, at the tile's rate."""
+    return waves * 2 * bm * bn * k / (_LONG_K_SM_RATE * 1e6 * _TILE_RATE.get((bm, bn), 0.3))
+
+
 def _long_k_time(p: MatmulProblem, c: LaunchConfig) -> float:
-    """A tile shape's time for ``p`` up to a constant: its waves times its area over its rate."""
-    bm, bn = c["BLOCK_M"], c["BLOCK_N"]
-    return cdiv(_tiles(p, c), sm_count()) * bm * bn / _TILE_RATE.get((bm, bn), 0.3)
+    """Microseconds of ``p`` in ``c``'s tiles, one per SM at a time (whole waves)."""
+    return _long_k_us(p, c["BLOCK_M"], c["BLOCK_N"], p.k, cdiv(_tiles(p, c), sm_count()))
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -380,6 +399,8 @@ class TiledEngine(Engine[MatmulProblem]):
 
     def cost(self, problem: MatmulProblem) -> float:
         c = self.configs(problem)[0]
+        if _long_k(problem):  # measured as fast as the persistent kernel's tiles there, or faster
+            return _long_k_time(problem, c) / _in_place_rate(problem) + 4
         programs = _tiles(problem, c)
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
@@ -490,7 +511,10 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             bool(repack_a) * _ITEMSIZE[problem.dtypes[0]] * problem.m * problem.k
             + bool(repack_b) * _ITEMSIZE[problem.dtypes[1]] * problem.k * problem.n
         )
-        kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
+        if _long_k(problem):  # a wave or two of long tiles: their rate, not the idle SMs, decides
+            kernel = _long_k_time(problem, c)
+        else:
+            kernel = _roofline(problem, 0.9 * _wave_util(tiles), 0.65 * min(1.0, tiles / sm_count()))
         return kernel + 5 + copied / (_BANDWIDTH * 1e6 * 0.9)
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -818,6 +842,13 @@ def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, band
     split = config["SPLIT"]
     extra = 8 * split * p.batch * p.m * p.n if split > 1 else 0  # the fp32 partials, written and read
     util = min(1.0, programs / sm_count())
+    if _long_k(p) and p.m > SKINNY_M:
+        # Priced as the other kernels' long tiles are (at the small tiles' lower rates; several
+        # programs share an SM, so their waves count fractionally). H100, bf16, K = 8192: 768x768
+        # 64x64 split in 2 ran 36.7 us (64x128 tiles whole 45-47), 3072x768 125 (128x256 83-86).
+        waves = max(1.0, programs / sm_count())
+        compute = _long_k_us(p, config["BLOCK_M"], config["BLOCK_N"], cdiv(p.k, split), waves)
+        return compute / _in_place_rate(p) + extra / (_BANDWIDTH * 1e6) + 4
     return _roofline(p, compute_eff * _wave_util(programs), bandwidth_eff * util, extra) + (
         8 if split > 1 else 4
     )

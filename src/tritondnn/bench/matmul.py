@@ -97,15 +97,19 @@ def _backward(m: int, n: int, k: int, dtype: torch.dtype) -> Case:
     )
 
 
-def _lm_head(m: int, n: int, k: int, dtype: torch.dtype) -> Case:
-    """A language model's output layer over GPT-2's vocabulary (50257): logits whose rows are not
-    16-byte aligned, forward and both gradients."""
+# GPT-2 small's four products of a layer over B8 x S1024 tokens: (name, out features, in features).
+GPT2_LINEARS = [("qkv", 2304, 768), ("proj", 768, 768), ("mlp up", 3072, 768), ("mlp down", 768, 3072)]
+
+
+def _linear_step(name: str, m: int, n: int, k: int, dtype: torch.dtype) -> Case:
+    """A linear layer's forward and both gradients (the data gradient, and the weight gradient as
+    a reduction over the m tokens), without bias or activation: three plain products."""
     x = _randn(m, k, dtype=dtype).requires_grad_(True)
     w = (_randn(n, k, dtype=dtype) / 30).requires_grad_(True)
     dy = _randn(m, n, dtype=dtype)
     step = lambda fn: torch.autograd.grad(fn(x, w), (x, w), dy)
     return Case(
-        _name("linear (LM head)", m, n, k, dtype, "TN", "fwd+bwd"),
+        _name(f"linear ({name})", m, n, k, dtype, "TN", "fwd+bwd"),
         providers(tritondnn=partial(step, mm.linear), torch=partial(step, F.linear)),
         flops=3 * 2 * m * n * k,
     )
@@ -182,7 +186,10 @@ def cases(quick: bool) -> Iterator[Case]:
         yield from _fused(*shape, torch.bfloat16)
     if not quick:
         yield _backward(8192, 4096, 4096, torch.bfloat16)
-    yield _lm_head(8192, 50257, 768, torch.bfloat16)
+    for name, n, k in GPT2_LINEARS:
+        yield _linear_step(f"GPT-2 {name}", 8192, n, k, torch.bfloat16)
+    # A language model's output layer over GPT-2's vocabulary: logits rows not 16-byte aligned.
+    yield _linear_step("LM head", 8192, 50257, 768, torch.bfloat16)
     if torch.cuda.get_device_capability() >= (9, 0):
         yield _fp8(8192, 8192, 8192, fast_accum=False)
         yield _fp8(8192, 8192, 8192, fast_accum=True)

@@ -516,7 +516,7 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     whole 128x256 or 128x128 tiles (the tiled kernel), 768x768's split in two (split-K priced at
     small tiles' rates had taken 3072x768's, 125 us against 84); 768 outputs over a K of 2304 or
     3072 in 128x128 tiles with 4 warps (128x256 tiles' second wave half empty: 63-83 us against
-    54-71); a K of 768 keeps 128x256."""
+    54-71), up to K = 4096 (the LM head's 50257 lost); a K of 768 keeps 128x256."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     monkeypatch.setattr(mm_engines, "hopper", lambda: True)
     monkeypatch.setattr(mm_engines, "INTERPRET", False)
@@ -543,6 +543,7 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     assert pick(768, 768, 8192, True) == ("split-k", 64, 64, 4, 2)
     for k in (2304, 3072):
         assert pick(8192, 768, k, False) == ("tma-persistent", 128, 128, 4, 1)
+    assert pick(8192, 768, 16384, False)[:3] == ("tma-persistent", 128, 256)  # longer K: measured slower
     assert pick(8192, 3072, 768, False)[:3] == ("tma-persistent", 128, 256)
     assert pick(8192, 4096, 4096, False)[:3] == ("tma-persistent", 128, 256)  # full waves
 

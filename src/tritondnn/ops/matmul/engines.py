@@ -341,10 +341,11 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
             configs.sort(key=lambda c: _long_k_time(p, c))
         else:
             configs.sort(key=lambda c: -_wave_util(_tiles(p, c)))
-    elif p.dtypes[0] in ("float16", "bfloat16") and p.k > 1024 and _wave_util(_tiles(p, big)) < 0.8:
+    elif p.dtypes[0] in ("float16", "bfloat16") and 1024 < p.k <= 4096 and _wave_util(_tiles(p, big)) < 0.8:
         # A last wave of big tiles mostly empty: 128x128 tiles (4 warps) fill theirs. Measured on
         # H100 (bf16, K-major A; us, 128x256 -> 128x128): 8192x768x2304 63.2 -> 54.3,
-        # 8192x768x3072 79.0 -> 70.5 and 82.8 -> 70.6 (cuBLAS 44, 55, 56).
+        # 8192x768x3072 79.0 -> 70.5 and 82.8 -> 70.6 (cuBLAS 44, 55, 56). A longer K lost:
+        # 8192x768x50257 (GPT-2's LM head data gradient) 2.02 -> 2.33 ms.
         configs.sort(key=lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]) != (128, 128, 4))
     return configs
 

@@ -457,6 +457,11 @@ class OneBlockEngine(_RowEngine):
         rows = max(1, min(64, 2048 // block_n))
         warps = max(4, min(16, block_n // 512))
         shapes = [(rows, warps), (rows * 2, warps), (rows, max(4, warps // 2)), (rows, min(16, warps * 2))]
+        if problem.backward and block_n <= 1024:
+            # Short rows: twice the rows an iteration, 8 warps for fp32. H100, 8192 x 768 (GPT-2
+            # small's, fp32 under autocast / bf16): 50.9 -> 42.2 us fp32 and 48.2 -> 39.5 bf16.
+            wide = problem.dtypes[0] in ("float32", "float64")
+            shapes.insert(0, (rows * 2, 8 if wide else warps))
         per_sm = (2, 4, 8) if problem.backward else (1,)  # 2 a multiprocessor: best on H100, 4096 wide
         out = []
         for block_r, w in shapes:

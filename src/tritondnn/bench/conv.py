@@ -1,5 +1,6 @@
 """Convolution benchmarks: the ResNet-50 layer set at N=64 (bf16 channels-last and fp32 NCHW
-without TF32, for cuDNN too), forward and dgrad+wgrad; conv+bias+ReLU fused; depthwise 3x3;
+without TF32, for cuDNN too), forward, forward+backward through autograd and dgrad+wgrad as
+standalone calls; conv+bias+ReLU fused; depthwise 3x3;
 conv3d and conv1d.
 
 TFLOP/s count the direct algorithm's 2 * N * out pixels * Cout * Cin/groups * taps per pass
@@ -65,6 +66,29 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
         ),
         flops=3 * flops,
     )
+    yield _gradient_cases(name, x, w, dy, stride, padding, groups, flops)
+
+
+def _gradient_cases(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride, padding, groups,
+                    flops: int) -> Case:  # fmt: skip
+    """The data and the weight gradient as standalone calls (what the issue compares with cuDNN's
+    dgrad + wgrad): no forward and no autograd node, whose host time can exceed a small layer's
+    kernels."""
+    nd = x.ndim - 2
+    grad_in = getattr(torch.nn.grad, f"conv{nd}d_input")
+    grad_w = getattr(torch.nn.grad, f"conv{nd}d_weight")
+    geometry = (stride, padding, 1, groups)
+
+    def ours() -> tuple:
+        return (
+            conv.conv_backward_data(dy, w, x.shape, *geometry),
+            conv.conv_backward_weight(x, dy, w.shape, *geometry),
+        )
+
+    def cudnn() -> tuple:
+        return grad_in(x.shape, w, dy, *geometry), grad_w(x, w.shape, dy, *geometry)
+
+    return Case(f"{name} dgrad+wgrad", providers(tritondnn=ours, torch=cudnn), flops=2 * flops)
 
 
 def _grads_only(fn: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:

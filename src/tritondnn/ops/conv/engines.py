@@ -338,6 +338,10 @@ class ImplicitGemmDgradEngine(Engine[ConvProblem]):
 
     def cost(self, problem: ConvProblem) -> float:
         phases = math.prod(problem.stride)
+        if problem.cin_g < 16:
+            # Tiles of a few input channels run far below the model's rate: ResNet-50's stem (3
+            # channels, 7x7 stride 2, N64 bf16) took 2.4 ms on an H100, 6.3 TFLOP/s.
+            return problem.flops / (6.3e6 * problem.cin_g / 3) + 3.0 * phases
         return _igemm_cost(problem, self.configs(problem)[0], problem.cin_g, problem.cout_g) + 3.0 * phases
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
@@ -528,6 +532,64 @@ class Im2colGemmEngine(Engine[ConvProblem]):
             y.copy_(out)
             if p.store_pre:
                 pre.copy_(pre_v)
+
+        return run
+
+
+@DGRAD_FAMILY.register
+class Im2colGemmDgradEngine(Engine[ConvProblem]):
+    """2-D data gradients, chosen where the input has few channels (a network's stem): the
+    columns' gradient as one GEMM per sample (weights^T times dy, in fp32), folded back onto the
+    image (col2im, torch's ``F.fold``), where an implicit GEMM's tiles would be mostly empty."""
+
+    name = "im2col_gemm"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        p = problem
+        reasons = []
+        if p.nd != 2:
+            reasons.append(f"2-D convolutions only (torch's fold), not {p.nd}-D")
+        if p.groups != 1:
+            reasons.append(f"one group only, not {p.groups}")
+        if p.has_c or p.bias or p.residual or p.activation >= 0 or p.store_pre:
+            reasons.append("no fused epilogue")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        p = problem
+        columns = 4 * p.out_pixels * p.cin * p.taps  # fp32, written by the GEMM, read by the fold
+        return roofline(p.flops, p.bytes + 2 * columns, peak(p), 0.3, 0.7) + 20.0
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        from ..epilogue import Epilogue
+        from ..matmul import matmul
+
+        p = problem
+        _, kh, kw = p.kernel
+        _, sh, sw = p.stride
+        _, dh, dw = p.dilation
+        _, ph, pw = p.pad
+        _, h, w_in = p.in_size
+        _, oh, ow = p.out_size
+        # The fold's canvas: the padded input's rows and columns the taps reach.
+        canvas = ((oh - 1) * sh + dh * (kh - 1) + 1, (ow - 1) * sw + dw * (kw - 1) + 1)
+        wide = torch.float64 if p.dtype == "float64" else torch.float32
+
+        def run(dy, w, dx, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+            n, k = dy.shape[:2]
+            columns = matmul(  # [N, Cin * taps, out pixels]
+                w.reshape(k, -1).t(),
+                dy.reshape(n, k, oh * ow),
+                epilogue=Epilogue(alpha=alpha, out_dtype=wide),
+            )
+            image = torch.nn.functional.fold(
+                columns, canvas, (kh, kw), dilation=(dh, dw), stride=(sh, sw)
+            )  # [N, Cin, *canvas], padded coordinates
+            # Input rows past the canvas received nothing: pad with zeros, then crop the padding.
+            image = torch.nn.functional.pad(
+                image, (0, max(0, pw + w_in - canvas[1]), 0, max(0, ph + h - canvas[0]))
+            )
+            dx.copy_(image[:, :, ph : ph + h, pw : pw + w_in])
 
         return run
 

@@ -288,3 +288,34 @@ def _sum_kernel(ws_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
     for s in range(split):
         acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, convert(acc, out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _col2im_kernel(
+    cols_ptr, dx_ptr,
+    C, H, W, OH, OW, sdx_n, sdx_c, sdx_h, sdx_w, SH, SW, PH, PW, DH, DW,
+    KH: tl.constexpr, KW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """dx = the fold of the columns' gradient ``cols`` [N, C * KH * KW, OH * OW] (fp32 or fp64): each input
+    pixel sums the column entries of the taps that read it (a gather: no atomics, each entry read
+    once). Grid: (pixel blocks, N * C); dx (N, C, H, W) through its strides, in its dtype."""
+    nc = tl.program_id(1)
+    n = nc // C
+    c = nc % C
+    pixels = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = pixels < H * W
+    h = pixels // W
+    w = pixels % W
+    base = cols_ptr + nc.to(tl.int64) * (KH * KW) * (OH * OW)
+    acc = tl.zeros([BLOCK], cols_ptr.dtype.element_ty)
+    for r in tl.static_range(KH):
+        hh = h + PH - r * DH
+        p = hh // SH
+        row_ok = inside & (hh >= 0) & (hh % SH == 0) & (p < OH)
+        for s in tl.static_range(KW):
+            ww = w + PW - s * DW
+            q = ww // SW
+            ok = row_ok & (ww >= 0) & (ww % SW == 0) & (q < OW)
+            acc += tl.load(base + (r * KW + s) * (OH * OW) + p * OW + q, mask=ok, other=0.0)
+    out = dx_ptr + n * sdx_n + c * sdx_c + h * sdx_h + w * sdx_w
+    tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=inside)

@@ -296,9 +296,10 @@ def _col2im_kernel(
     C, H, W, OH, OW, sdx_n, sdx_c, sdx_h, sdx_w, SH, SW, PH, PW, DH, DW,
     KH: tl.constexpr, KW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """dx = the fold of the columns' gradient ``cols`` [N, C * KH * KW, OH * OW] (fp32 or fp64): each input
-    pixel sums the column entries of the taps that read it (a gather: no atomics, each entry read
-    once). Grid: (pixel blocks, N * C); dx (N, C, H, W) through its strides, in its dtype."""
+    """dx = the fold of the columns' gradient ``cols`` [N, C * KH * KW, OH * OW] (fp32 or fp64):
+    each input pixel sums the column entries of the taps that read it (a gather: no atomics, each
+    entry read once). Grid: (pixel blocks, N * C); dx (N, C, H, W) through its strides, in its
+    dtype."""
     nc = tl.program_id(1)
     n = nc // C
     c = nc % C

@@ -375,14 +375,14 @@ def _long_k(p: MatmulProblem) -> bool:
     )
 
 
-def _long_k_us(p: MatmulProblem, bm: int, bn: int, k: int, waves: float) -> float:
+def _long_k_us(bm: int, bn: int, k: int, waves: float) -> float:
     """Microseconds of ``waves`` rounds of bm x bn tiles reducing over ``k``, at the tile's rate."""
     return waves * 2 * bm * bn * k / (_LONG_K_SM_RATE * 1e6 * _TILE_RATE.get((bm, bn), 0.3))
 
 
 def _long_k_time(p: MatmulProblem, c: LaunchConfig) -> float:
     """Microseconds of ``p`` in ``c``'s tiles, one per SM at a time (whole waves)."""
-    return _long_k_us(p, c["BLOCK_M"], c["BLOCK_N"], p.k, cdiv(_tiles(p, c), sm_count()))
+    return _long_k_us(c["BLOCK_M"], c["BLOCK_N"], p.k, cdiv(_tiles(p, c), sm_count()))
 
 
 def _ints(p: MatmulProblem) -> tuple[int, ...]:
@@ -848,7 +848,7 @@ def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, band
         # programs share an SM, so their waves count fractionally). H100, bf16, K = 8192: 768x768
         # 64x64 split in 2 ran 36.7 us (64x128 tiles whole 45-47), 3072x768 125 (128x256 83-86).
         waves = max(1.0, programs / sm_count())
-        compute = _long_k_us(p, config["BLOCK_M"], config["BLOCK_N"], cdiv(p.k, split), waves)
+        compute = _long_k_us(config["BLOCK_M"], config["BLOCK_N"], cdiv(p.k, split), waves)
         return compute / _in_place_rate(p) + extra / (_BANDWIDTH * 1e6) + 4
     return _roofline(p, compute_eff * _wave_util(programs), bandwidth_eff * util, extra) + (
         8 if split > 1 else 4

@@ -532,9 +532,8 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
             a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
             scaled=False, amax=False,
         ).problem  # fmt: skip
-        engine = min(
-            (e for e in mm.FAMILY.engines if not e.not_supported_reasons(p)), key=lambda e: e.cost(p)
-        )
+        chosen = next(r.name for r in mm.FAMILY.report(p) if r.chosen)  # fast mode's pick, uncached
+        engine = next(e for e in mm.FAMILY.engines if e.name == chosen)
         c = engine.configs(p)[0]
         return engine.name, c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c.get("SPLIT", 1)
 

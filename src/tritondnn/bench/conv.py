@@ -66,10 +66,10 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
         ),
         flops=3 * flops,
     )
-    yield _gradient_cases(name, x, w, dy, stride, padding, groups, flops)
+    yield _gradient_case(name, x, w, dy, stride, padding, groups, flops)
 
 
-def _gradient_cases(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride, padding, groups,
+def _gradient_case(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride, padding, groups,
                     flops: int) -> Case:  # fmt: skip
     """The data and the weight gradient as standalone calls (what the issue compares with cuDNN's
     dgrad + wgrad): no forward and no autograd node, whose host time can exceed a small layer's

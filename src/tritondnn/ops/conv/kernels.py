@@ -318,5 +318,5 @@ def _col2im_kernel(
             q = ww // SW
             ok = row_ok & (ww >= 0) & (ww % SW == 0) & (q < OW)
             acc += tl.load(base + (r * KW + s) * (OH * OW) + p * OW + q, mask=ok, other=0.0)
-    out = dx_ptr + n * sdx_n + c * sdx_c + h * sdx_h + w * sdx_w
+    out = dx_ptr + n.to(tl.int64) * sdx_n + c * sdx_c + h * sdx_h + w * sdx_w  # dx may pass 2**31
     tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=inside)

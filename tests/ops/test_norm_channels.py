@@ -293,6 +293,20 @@ def test_gradcheck_float64():
     )
 
 
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_strided_weight_and_bias(op):
+    """A weight and bias sliced from wider tensors (stride 2) are read as the values they hold,
+    with gradients into the wide tensors."""
+    x, dy, wide_w, wide_b = _x(), randn(3, 8, 5, 7), randn(16), randn(16)
+    if op == "group_norm":
+        ours = lambda x, w, b: norm.group_norm(x, 4, w[::2], b[1::2])
+        theirs = lambda x, w, b: F.group_norm(x, 4, w[::2], b[1::2])
+    else:
+        ours = lambda x, w, b: norm.instance_norm(x, weight=w[::2], bias=b[1::2])
+        theirs = lambda x, w, b: F.instance_norm(x, weight=w[::2], bias=b[1::2])
+    _compare(ours, theirs, [x, wide_w, wide_b], [dy], op)
+
+
 def test_deterministic_bits_twice():
     x, w, b, dy = _x(shape=(8, 16, 9, 9)), randn(16), randn(16), randn(8, 16, 9, 9)
     for fn in (

@@ -224,9 +224,9 @@ def test_bad_input(call, error, match):
 def test_library_ops_pass_opcheck():
     x, w, b = randn(4, 12), randn(12), randn(12)
     torch.library.opcheck(L._forward.op, (x, randn(4, 12), w, b, 12, 1e-5, False, -1, 0.0, 0.0))
-    _, _, mean, rstd = L._forward(x, None, w, b, 12, 1e-5, False, -1, 0.0, 0.0)
+    _, _, stats = L._forward(x, None, w, b, 12, 1e-5, False, -1, 0.0, 0.0)
     torch.library.opcheck(
-        L._backward.op, (randn(4, 12), x, w, b, mean, rstd, None, 12, False, -1, 0.0, 0.0, True, True)
+        L._backward.op, (randn(4, 12), x, w, b, stats, None, 12, False, -1, 0.0, 0.0, True, True)
     )
 
 

@@ -256,14 +256,14 @@ def _norm_stats_runner(step: Step, ins: list, outs: list[int], final: int, act: 
         def run(env: list, device: torch.device, presets: dict | None) -> None:
             res = None if b_in is None else env[b_in]
             w, b = (None if i is None else env[i] for i in (ins[1], None if rms else ins[2]))
-            y, s, mean, rstd = _layer_ops._forward(env[x_in], res, w, b, n_cols, eps, rms, kind, p0, p1)
+            y, s, moments = _layer_ops._forward(env[x_in], res, w, b, n_cols, eps, rms, kind, p0, p1)
             env[final] = y
             if total is not None:
                 env[total] = s
             if rms:
-                env[outs[1]] = rstd.view(stats)
+                env[outs[1]] = moments[1].view(stats)
             else:
-                env[outs[1]], env[outs[2]] = mean.view(stats), rstd.view(stats)
+                env[outs[1]], env[outs[2]] = moments[0].view(stats), moments[1].view(stats)
 
         return run
     dy_i, x_i, w_i = ins[:3]
@@ -313,10 +313,11 @@ def _norm_stats_runner(step: Step, ins: list, outs: list[int], final: int, act: 
     def run(env: list, device: torch.device, presets: dict | None) -> None:
         w = weight(env, device)
         rstd = _flat_stats(env[ins[-1]])
-        # RMS: a zero mean (x_hat = x * rstd), as the forward saves for the autograd backward.
+        # RMS: a zero mean (x_hat = x * rstd), as the forward saves for the autograd backward;
+        # the kernel reads both from one (2, rows) buffer.
         mean = constant(0.0, rstd.shape, rstd.dtype, rstd.device) if rms else _flat_stats(env[ins[3]])
         grads = _layer_ops._backward(
-            env[dy_i], env[x_i], w, None if rms else w, mean, rstd, None, n_cols, rms,
+            env[dy_i], env[x_i], w, None if rms else w, torch.stack((mean, rstd)), None, n_cols, rms,
             NO_ACTIVATION, 0.0, 0.0, True, not rms,
         )  # fmt: skip
         for i, g in zip(outs, grads):

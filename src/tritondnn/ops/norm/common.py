@@ -48,7 +48,9 @@ def check_eps(op: str, eps: object) -> float:
 def check_affine(
     op: str, name: str, value: torch.Tensor | None, shape: Sequence[int], like: torch.Tensor
 ) -> torch.Tensor | None:
-    """A weight, bias or running statistic: None, or a float tensor of ``shape`` on ``like``'s device."""
+    """A weight, bias or running statistic: None, or a float tensor of ``shape`` on ``like``'s
+    device. Returned with unit strides, as the kernels read it (a differentiable copy where
+    strided; callers that update it in place keep the argument instead)."""
     if value is None:
         return None
     check_tensor(op, name, value)
@@ -56,7 +58,7 @@ def check_affine(
         raise ValueError(f"{op}: argument '{name}' has shape {tuple(value.shape)}; expected {tuple(shape)}")
     if value.device != like.device:
         raise ValueError(f"{op}: argument '{name}' is on {value.device} but 'input' is on {like.device}")
-    return value
+    return value.contiguous()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

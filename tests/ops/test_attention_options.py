@@ -260,6 +260,57 @@ def test_eager_repeat_calls(case):
         assert_close(other, ref, None, "non-causal after causal")
 
 
+@pytest.mark.parametrize("case", ["gqa-causal", "bshd-lse", "packed-qkv", "strided-gradient"])
+def test_eager_training_repeat_calls(case):
+    """Repeat training calls run bound plans for both passes (``_eager_training``): on fresh data
+    each time, outputs and q, k, v gradients are the general path's bits and near float64's; the
+    gradient's layout may differ from the output's (the general backward takes it)."""
+    opts = {"is_causal": True, "enable_gqa": case == "gqa-causal"}
+    if case == "bshd-lse":
+        opts.update(layout="bshd", return_lse=True)
+
+    def inputs():
+        if case == "gqa-causal":
+            return rand(2, 4, 37, 32), rand(2, 2, 45, 32), rand(2, 2, 45, 32)
+        if case == "bshd-lse":
+            return rand(2, 37, 2, 32), rand(2, 45, 2, 32), rand(2, 45, 2, 32)
+        # GPT's: one projection split into q, k, v, viewed as heads and transposed (strided BHSD)
+        qkv = rand(2, 37, 3 * 64)
+        return tuple(t.view(2, 37, 2, 32).transpose(1, 2) for t in qkv.split(64, -1))
+
+    def run(q, k, v):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = sdpa(*leaves, **opts)
+        o = out[0] if isinstance(out, tuple) else out
+        if case == "strided-gradient":
+            do = rand(*o.shape[:-1], 2 * o.shape[-1])[..., ::2]
+        else:  # in the output's layout, as a transpose back to the model's rows gives it
+            do = torch.empty_like(o).copy_(rand(*o.shape))
+        return [t.detach() for t in (out if isinstance(out, tuple) else (out,))], do, leaves, o
+
+    att._eager.clear()
+    sdpa(*[t.requires_grad_(True) for t in inputs()], **opts)
+    assert len(att._eager) == 1
+    for _ in range(2):
+        q, k, v = inputs()
+        outs, do, leaves, o = run(q, k, v)
+        fast = outs + list(torch.autograd.grad(o, leaves, do))
+        saved = dict(att._eager)
+        att._eager.clear()
+        outs, _, leaves, o = run(q, k, v)
+        slow = outs + list(torch.autograd.grad(o, leaves, do))
+        att._eager.update(saved)
+        for a, b in zip(fast, slow):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+        if case != "bshd-lse":
+            wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+            ref, _ = sdpa_reference(*wide, is_causal=True)
+            want = torch.autograd.grad(ref, wide, do.double())
+            assert_close(fast[0], ref, None, case)
+            for a, b in zip(fast[1:], want):
+                assert_close(a, b, None, case)
+
+
 def test_dropout_replay(poison):
     p, seed, offset = 0.3, 1234, 77
     keep = dropout_keep_mask(1, 2, 37, 45, p, seed, offset)

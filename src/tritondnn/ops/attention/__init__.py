@@ -22,7 +22,7 @@ from ...core.backend import INTERPRET
 from ...core.checks import check_tensor, check_values
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig
-from ...core.library import custom_op, eager_tensor, plain_eager
+from ...core.library import custom_op, eager_tensor, functorch_active, plain_eager, raw_apply
 from .arguments import (
     MAX_HEAD_DIM,
     OP,
@@ -488,13 +488,85 @@ def _eager_forward(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse
     return run
 
 
-def _eager_training(call: _Call, return_lse: bool) -> Callable:
-    """The call through autograd for new q, k, v of the same geometry, validated once: the call
-    it keeps holds none of this call's tensors (the options that would are absent here)."""
+class _EagerAttention(torch.autograd.Function):
+    """``_AttentionFunction`` for the eager fast path of plain q, k, v: ``program`` (see
+    ``_eager_training``) runs plans bound once, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, program):
+        o, lse = program[0](q, k, v, None)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.program = program
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for the LSE's (absent) gradient
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return None, None, None, None
+        return (*ctx.program[1](do, *ctx.saved_tensors), None)
+
+
+_apply_eager = raw_apply(_EagerAttention)
+
+
+def _allocator(t: torch.Tensor, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """A function allocating what ``_empty_out(t, t.shape[-1], dtype)`` does, for tensors of
+    ``t``'s geometry: the memory order worked out once."""
+    out = _empty_out(t, t.shape[-1], dtype)
+    order = sorted(range(out.ndim), key=lambda d: -out.stride(d))
+    physical, back, device = (
+        [out.shape[d] for d in order],
+        [order.index(d) for d in range(out.ndim)],
+        t.device,
+    )
+    if order == list(range(out.ndim)):
+        return lambda: torch.empty(*physical, dtype=dtype, device=device)
+    return lambda: torch.empty(*physical, dtype=dtype, device=device).permute(back)
+
+
+def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> Callable:
+    """The call through autograd for new q, k, v of the same geometry, validated once (``out`` and
+    ``lse``: its results). Where the geometry allows, both passes run bound plans on the tensors
+    as given (launches read only data pointers); the call kept holds none of this call's tensors
+    (the options that would are absent here)."""
     template = call._replace(q=None, k=None, v=None)
+    if not (out.numel() and call.k.numel() and call.meta.seqlen_kv and out.shape[-1]):
+
+        def general(q, k, v, block_table):
+            o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
+            return (o, lse) if return_lse else o
+
+        return general
+    meta, layout, scale, softcap = call.meta, call.meta.layout, call.scale, call.softcap
+    qk_scale, cap_scale = _floats(scale, softcap)
+    makers = [_allocator(t, t.dtype) for t in (call.q, call.k, call.v)]
+    out_strides = out.stride()
+    backward_plan: list = [None, None]  # (config version, plan): looked up on the first backward
+
+    def backward(do, q, k, v, o, lse):
+        if do.stride() != out_strides:  # the general op (it copies a gradient with strided rows)
+            do = do.contiguous() if do.stride(-1) != 1 else do
+            args = (do, q, k, v, o, lse, *(None,) * 7, scale, softcap, 0.0, list(meta), False)
+            return _backward(*args)[:3]
+        dq, dk, dv = (make() for make in makers)
+        if backward_plan[0] != config.version:
+            names = ("o", "do", "dq", "dk", "dv")
+            views = {n: _bhsd(t, layout) for n, t in zip(names, (o, do, dq, dk, dv))}
+            views["lse"] = _lse_view(lse, meta)
+            plan = _plan("bwd", (q, k, v, *(None,) * 9), meta, False, softcap > 0, views)
+            backward_plan[:] = config.version, plan
+        backward_plan[1](q, k, v, o, do, lse, dq, dk, dv, *(q,) * 8, qk_scale, cap_scale, 0.0, scale)
+        return dq, dk, dv
+
+    program = (_eager_forward(call, out, lse, True), backward)
 
     def run(q, k, v, block_table):
-        o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
+        if functorch_active():
+            o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
+        else:
+            o, lse = _apply_eager(q, k, v, program)
         return (o, lse) if return_lse else o
 
     return run
@@ -641,7 +713,7 @@ def sdpa(
             raise ValueError(f"{OP}: fp8 attention is forward-only")
         o, lse = _AttentionFunction.apply(call.q, call.k, call.v, call.bias, call.sinks, call)
         if eager is not None:
-            _cache(eager, _eager_training(call, return_lse))
+            _cache(eager, _eager_training(call, o, lse, return_lse))
     else:
         o, lse = _forward(*call.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
         if eager is not None and o.numel() and call.k.numel() and call.meta.seqlen_kv and o.shape[-1]:

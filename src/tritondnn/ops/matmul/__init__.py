@@ -33,7 +33,7 @@ from ...core.config import config
 from ...core.library import eager_tensor
 from ...core.strides import broadcast_shapes
 from ..epilogue import Epilogue
-from .autograd import _MatmulFunction
+from .autograd import _MatmulFunction, apply_eager
 from .engines import FAMILY, FP8_DTYPES, INPUT_DTYPES, MatmulProblem, merged_batch_dims
 from .library import _forward
 from .plans import forward_plan
@@ -246,12 +246,13 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
         elif input.ndim > 1 and other.ndim > 1:
             rows = a.shape if a.ndim != input.ndim else None
             out_shape = shape if rows is not None else None
+            plan = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, act >= 0, False)
 
             def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False) -> _T:
                 # ``y``: B, or the tensor whose transpose B is (``transposed``, a linear's weight).
-                return _MatmulFunction.apply(
+                return apply_eager(
                     x, y, None, bias, None, 1.0, 0.0, bias_kind, act, p0, p1, False, out_dtype, rows,
-                    transposed, out_shape,
+                    transposed, out_shape, plan,
                 )  # fmt: skip
 
     return (result if store_pre or want_amax else out), fast

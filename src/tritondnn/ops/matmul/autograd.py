@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.library import direct_call
+from ...core.library import direct_call, functorch_active, raw_apply
 from .engines import padded_rows
 from .library import _epilogue_backward, _forward
 from .plans import backward_plan, forward_plan
@@ -126,21 +126,26 @@ class _MatmulFunction(torch.autograd.Function):
     views inside, where autograd records none (each recorded view costs host time twice): A is
     viewed as ``rows`` (batch dimensions merged into its rows), B is read transposed when
     ``transposed`` (a weight), and the output is allocated as ``out_shape``. In eager mode the
-    backward pass of a forward plan is kept on it (``_Backward``)."""
+    backward pass of a forward plan is kept on it (``_Backward``). That path also passes the
+    forward ``plan`` it looked up once for its key (then A and B are not viewed here at all)."""
 
     @staticmethod
     def forward(ctx, a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre,
-                out_dtype, rows=None, transposed=False, out_shape=None):  # fmt: skip
+                out_dtype, rows=None, transposed=False, out_shape=None, plan=None):  # fmt: skip
         keep = activation >= 0
         x, y = a, b
-        a = a if rows is None else a.view(rows)
-        b = b.mT if transposed else b
-        ctx.plan = None
-        if direct_call(a):
+        ctx.plan = plan
+        if plan is not None:  # launches read only data pointers: the views are not needed
+            out, pre, _ = plan(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, out_shape)
+        elif direct_call(a):
+            a = a if rows is None else a.view(rows)
+            b = b.mT if transposed else b
             flags = (out_dtype, bias_kind, activation, store_pre or keep, False)
             ctx.plan = forward_plan(a, b, c, bias, residual, False, *flags)
             out, pre, _ = ctx.plan(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, out_shape)
         else:
+            a = a if rows is None else a.view(rows)
+            b = b.mT if transposed else b
             out, pre = _product(
                 a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre or keep,
                 out_dtype, out_shape,
@@ -157,7 +162,7 @@ class _MatmulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_grad_pre):
         if grad is None:
-            return (None,) * 16
+            return (None,) * 17
         x, y, pre = ctx.saved_tensors
         alpha, beta, bias_kind, activation, p0, p1, rows, transposed = ctx.params
         c_meta, bias_meta, residual_meta = ctx.meta
@@ -171,7 +176,7 @@ class _MatmulFunction(torch.autograd.Function):
                     rows, transposed, activation, bias_kind if need_bias else 0, bias_dtype, need_a, need_b
                 )
             da, db, dbias = program(grad, x, y, pre, alpha, p0, p1)
-            return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 11
+            return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 12
         a = x if rows is None else x.view(rows)
         b = y.mT if transposed else y
         if rows is not None:  # the output was allocated in the caller's shape
@@ -199,7 +204,16 @@ class _MatmulFunction(torch.autograd.Function):
             dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
         if need_residual:
             dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
-        return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 11
+        return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 12
+
+
+_apply = raw_apply(_MatmulFunction)
+
+
+def apply_eager(*args):
+    """``_MatmulFunction.apply`` for the cached eager paths: without its Python wrapper unless a
+    functorch transform is active."""
+    return _MatmulFunction.apply(*args) if functorch_active() else _apply(*args)
 
 
 def _grad_transposed(b: torch.Tensor, transposed: bool) -> bool:

@@ -283,6 +283,7 @@ def test_backward_descriptor_loads(monkeypatch, atomic):
     def grads(q, k, v, do, desc):
         monkeypatch.setattr(att._Backward, "configs", lambda self, p: [dict(first(self, p)[0], desc=desc)])
         monkeypatch.setattr(att, "_plans", {})
+        monkeypatch.setattr(att, "_eager", {})  # repeat calls keep their plans too
         monkeypatch.setattr(att.FAMILY, "_chosen", {})
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         return torch.autograd.grad(sdpa(*leaves, enable_gqa=True), leaves, do)
@@ -307,6 +308,7 @@ def test_backward_descriptor_loads(monkeypatch, atomic):
                 assert torch.equal(a, b)
     monkeypatch.setattr(att._Backward, "configs", lambda self, p: [dict(first(self, p)[0], desc=True)])
     monkeypatch.setattr(att, "_plans", {})
+    monkeypatch.setattr(att, "_eager", {})
     monkeypatch.setattr(att.FAMILY, "_chosen", {})
     check(
         lambda q, k, v: sdpa(q, k, v, enable_gqa=True),

@@ -30,6 +30,7 @@ LOWER = "lower"
 FP16 = "fp16"
 FP32 = "fp32"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_CAST_TO_LOWER = (torch.float32, *_LOW_PRECISION)  # float64 and non-floating tensors are never cast
 
 
 def _device_type(values: Any) -> str | None:
@@ -48,14 +49,16 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
     """Autocast's rule: float64 tensors are never cast; other floating tensors are, also inside a
     list or tuple (an RNN's flat weights, its (h0, c0)) or a named tuple (a PackedSequence's data;
     its integer batch sizes stay)."""
+    if isinstance(value, torch.Tensor):
+        # Tensors already in the target dtype skip ``.to`` (a no-op that still costs a C call).
+        have = value.dtype
+        if policy in (LOWER, FP16):
+            return value.to(dtype) if have != dtype and have in _CAST_TO_LOWER else value
+        return value.float() if have in _LOW_PRECISION else value
     if isinstance(value, (list, tuple)):
         items = (_cast(v, policy, dtype) for v in value)
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        return value
-    if policy in (LOWER, FP16):
-        return value.to(dtype) if value.dtype in (torch.float32, *_LOW_PRECISION) else value
-    return value.float() if value.dtype in _LOW_PRECISION else value
+    return value
 
 
 # One C call on the hot path of every decorated op outside autocast (torch.utils.checkpoint uses

@@ -70,13 +70,19 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 Policy = str | Callable[[torch.Tensor], str | None] | None
 
 
-def autocast_policy(cuda: Policy, cpu: Policy = None, skip_if: str | None = None) -> Callable[[F], F]:
+def autocast_policy(
+    cuda: Policy, cpu: Policy = None, skip_if: str | None = None, inside: Callable[..., Any] | None = None
+) -> Callable[[F], F]:
     """Decorate a public op with its autocast policy on CUDA and on CPU (None: no cast there; a
     function of the first argument where PyTorch's policy depends on it, e.g. on the rank).
 
     ``skip_if`` names a keyword argument that, when given (not None), turns the cast off, as an
     explicit ``dtype=`` does for PyTorch's softmax. Floating tensors among the arguments are cast,
     then the op runs with autocast off so no torch call inside it recasts.
+
+    ``inside(dtype, *args, **kwargs)``, if given, is tried first in eager mode (autocast off): it
+    runs the op with the casts to ``dtype`` inside the op's own autograd node (no cast nodes
+    recorded: host time in both passes), or returns ``NotImplemented`` for the casts above.
     """
     policies = {"cuda": cuda, "cpu": cpu}
 
@@ -103,9 +109,18 @@ def autocast_policy(cuda: Policy, cpu: Policy = None, skip_if: str | None = None
             if policy is None or not torch.is_autocast_enabled(device_type) or skipped(args, kwargs):
                 return fn(*args, **kwargs)
             dtype = torch.float16 if policy == FP16 else torch.get_autocast_dtype(device_type)
+            compiling = torch.compiler.is_compiling()
+            if inside is not None and not compiling:
+                torch.set_autocast_enabled(device_type, False)
+                try:
+                    out = inside(dtype, *args, **kwargs)
+                finally:
+                    torch.set_autocast_enabled(device_type, True)
+                if out is not NotImplemented:
+                    return out
             args = tuple(_cast(a, policy, dtype) for a in args)
             kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
-            if torch.compiler.is_compiling():
+            if compiling:
                 with torch.autocast(device_type, enabled=False):
                     return fn(*args, **kwargs)
             # The context manager costs ~10 us of host time a call; the flag alone is what matters.

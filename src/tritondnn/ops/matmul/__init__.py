@@ -239,8 +239,11 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
         if not grad:
             run = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, False, False)
 
-            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False) -> _T:
+            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False,
+                     cast: torch.dtype | None = None) -> _T:  # fmt: skip
                 # Only data pointers matter here: ``y`` may be B or the tensor B transposes.
+                if cast is not None:  # autocast's, as ``_linear_autocast`` has them made here
+                    x, y = x.to(cast), y.to(cast)
                 return run(x, y, None, bias, None, None, None, 1.0, 0.0, p0, p1)[0].view(shape)
 
         elif input.ndim > 1 and other.ndim > 1:
@@ -248,11 +251,12 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
             out_shape = shape if rows is not None else None
             plan = forward_plan(a, b, None, bias, None, False, out_dtype, bias_kind, act, act >= 0, False)
 
-            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False) -> _T:
+            def fast(x: _T, y: _T, bias: _T | None, p0: float, p1: float, transposed: bool = False,
+                     cast: torch.dtype | None = None) -> _T:  # fmt: skip
                 # ``y``: B, or the tensor whose transpose B is (``transposed``, a linear's weight).
                 return apply_eager(
                     x, y, None, bias, None, 1.0, 0.0, bias_kind, act, p0, p1, False, out_dtype, rows,
-                    transposed, out_shape, plan,
+                    transposed, out_shape, plan, cast,
                 )  # fmt: skip
 
     return (result if store_pre or want_amax else out), fast
@@ -344,7 +348,32 @@ def matmul(
     return result
 
 
-@autocast_policy(LOWER, LOWER)
+def _linear_autocast(
+    dtype: torch.dtype,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    activation_params: tuple[float, ...] = (),
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``linear`` under autocast with the casts of input and weight to ``dtype`` inside its autograd
+    node (their gradients come out of the products in their own dtypes, no cast nodes) and the
+    bias read in its own dtype; ``NotImplemented`` (autocast's casts, then ``linear``) for calls
+    with nothing to cast or outside the cached eager path's reach."""
+    if residual is not None or out_dtype is not None or not (eager_tensor(input) and eager_tensor(weight)):
+        return NotImplemented
+    castable = (torch.float32, torch.float16, torch.bfloat16)
+    if input.dtype not in castable or weight.dtype not in castable:
+        return NotImplemented
+    if input.dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype):
+        return NotImplemented
+    return _linear(input, weight, bias, activation, activation_params, None, None, dtype)
+
+
+@autocast_policy(LOWER, LOWER, inside=_linear_autocast)
 def linear(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -366,8 +395,16 @@ def linear(
         residual: added after the activation; must broadcast to the output (*, out_features).
         out_dtype: the output dtype (default: the input's).
 
-    Gradients flow to input, weight, bias and residual.
+    Gradients flow to input, weight, bias and residual. Under autocast the product runs in the
+    autocast dtype as ``F.linear``'s does; input and weight are cast inside the op (their
+    gradients return in their own dtypes, from fp32 accumulators) and a bias is added in its own
+    dtype (PyTorch rounds it to the autocast dtype first).
     """
+    return _linear(input, weight, bias, activation, activation_params, residual, out_dtype, None)
+
+
+def _linear(input, weight, bias, activation, activation_params, residual, out_dtype, cast):
+    """``linear``; ``cast``: the dtype input and weight are cast to inside the op, or None."""
     key = None
     if (
         residual is None
@@ -394,11 +431,15 @@ def linear(
             None if bias is None else (bias.shape, bias.stride(), bias.dtype),
             activation,
             activation_params,
+            cast,
         )
         fast = _eager.get(key)
         if fast is not None:
-            return fast(input, weight, bias, *_params(activation, activation_params), True)
+            return fast(input, weight, bias, *_params(activation, activation_params), True, cast)
     op = "tdnn.linear"
+    given = (input, weight, bias)
+    if cast is not None:  # checked and planned as the cast tensors, run with the casts inside
+        input, weight = input.to(cast), weight.to(cast)
     check_tensor(op, "input", input, dtypes=INPUT_DTYPES, min_ndim=1)
     check_tensor(op, "weight", weight, dtypes=INPUT_DTYPES, min_ndim=1, max_ndim=2)
     if weight.shape[-1] != input.shape[-1]:
@@ -424,6 +465,8 @@ def linear(
     )
     if key is not None and fast is not None:
         _eager[key] = fast
+        if cast is not None:  # this call too, so that every call of the key computes alike
+            return fast(*given, *_params(activation, activation_params), True, cast)
     return out
 
 

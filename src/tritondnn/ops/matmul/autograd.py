@@ -43,10 +43,11 @@ class _Backward:
     directly (plans read only data pointers): no views, no lookups, tens of microseconds of host
     time less a call."""
 
-    def __init__(self, rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b):
+    def __init__(self, rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b, grad_dtypes):
         self.rows, self.transposed, self.activation = rows, transposed, activation
         self.bias_kind, self.bias_dtype = bias_kind, bias_dtype  # bias_kind 0: no bias gradient
         self.need_a, self.need_b = need_a, need_b
+        self.grad_dtypes = grad_dtypes  # (dA's, dB's) where the operands were cast inside, else None
         self.epilogue = self.da = self.db = None
         self.cast = None  # the operands' dtype when the gradient through the epilogue is wider
         self.pad = False  # the gradient's rows are copied to 16-byte-aligned storage first
@@ -101,8 +102,9 @@ class _Backward:
         padded = padded_rows(d) if self.need_a and self.need_b else None
         if padded is not None:
             self.pad, d = True, padded
+        da_dtype, db_dtype = self.grad_dtypes or (a.dtype, b.dtype)
         if self.need_a:
-            self.da = forward_plan(d, b.mT, None, None, None, False, a.dtype, 0, -1, False, False)
+            self.da = forward_plan(d, b.mT, None, None, None, False, da_dtype, 0, -1, False, False)
         if self.need_b:
             # The gradient in the memory order of the B the caller has: a transposed weight's (or
             # a column-major B's) as (dpre^T A)^T, so it lands in the weight's own layout
@@ -112,7 +114,7 @@ class _Backward:
                 operands = (d.mT, a)
             else:
                 operands = (a.mT, d)
-            self.db = forward_plan(*operands, None, None, None, False, b.dtype, 0, -1, False, False)
+            self.db = forward_plan(*operands, None, None, None, False, db_dtype, 0, -1, False, False)
         return d
 
 
@@ -127,12 +129,18 @@ class _MatmulFunction(torch.autograd.Function):
     viewed as ``rows`` (batch dimensions merged into its rows), B is read transposed when
     ``transposed`` (a weight), and the output is allocated as ``out_shape``. In eager mode the
     backward pass of a forward plan is kept on it (``_Backward``). That path also passes the
-    forward ``plan`` it looked up once for its key (then A and B are not viewed here at all)."""
+    forward ``plan`` it looked up once for its key (then A and B are not viewed here at all), and
+    under autocast the dtype ``cast`` that A and B are cast to here, inside this node, rather than
+    by cast nodes of their own: their gradients come out of the products in their own dtypes."""
 
     @staticmethod
     def forward(ctx, a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre,
-                out_dtype, rows=None, transposed=False, out_shape=None, plan=None):  # fmt: skip
+                out_dtype, rows=None, transposed=False, out_shape=None, plan=None, cast=None):  # fmt: skip
         keep = activation >= 0
+        ctx.grad_dtypes = None
+        if cast is not None:
+            ctx.grad_dtypes = (a.dtype, b.dtype)
+            a, b = a.to(cast), b.to(cast)
         x, y = a, b
         ctx.plan = plan
         if plan is not None:  # launches read only data pointers: the views are not needed
@@ -162,21 +170,24 @@ class _MatmulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_grad_pre):
         if grad is None:
-            return (None,) * 17
+            return (None,) * 18
         x, y, pre = ctx.saved_tensors
         alpha, beta, bias_kind, activation, p0, p1, rows, transposed = ctx.params
         c_meta, bias_meta, residual_meta = ctx.meta
         need_a, need_b, need_c, need_bias, need_residual = ctx.needs_input_grad[:5]
         bias_dtype = bias_meta[1] if bias_meta else grad.dtype
+        grad_dtypes = ctx.grad_dtypes
         if ctx.plan is not None and c_meta is None and residual_meta is None and direct_call(grad):
             key = (rows is None, transposed, need_a, need_b, need_bias, grad.shape, grad.stride(), grad.dtype)
+            key += (grad_dtypes,)
             program = ctx.plan.backward.get(key)
             if program is None:
                 program = ctx.plan.backward[key] = _Backward(
-                    rows, transposed, activation, bias_kind if need_bias else 0, bias_dtype, need_a, need_b
-                )
+                    rows, transposed, activation, bias_kind if need_bias else 0, bias_dtype, need_a, need_b,
+                    grad_dtypes,
+                )  # fmt: skip
             da, db, dbias = program(grad, x, y, pre, alpha, p0, p1)
-            return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 12
+            return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 13
         a = x if rows is None else x.view(rows)
         b = y.mT if transposed else y
         if rows is not None:  # the output was allocated in the caller's shape
@@ -191,20 +202,21 @@ class _MatmulFunction(torch.autograd.Function):
         if need_a or need_b:
             d = dpre if dpre.dtype == a.dtype else dpre.to(a.dtype)
             none = (None,) * 3
+            da_dtype, db_dtype = grad_dtypes or (a.dtype, b.dtype)
             if need_a:
                 shape = x.shape if rows else None
-                da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, a.dtype, shape)[0]
+                da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, da_dtype, shape)[0]
             if need_b:  # in B's memory order, as in _Backward
                 if _grad_transposed(b, transposed):
-                    db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, b.dtype)[0]
+                    db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
                     db = db if transposed else db.mT
                 else:
-                    db = _product(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, b.dtype)[0]
+                    db = _product(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
         if need_c:
             dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
         if need_residual:
             dres = grad.sum_to_size(residual_meta[0]).to(residual_meta[1])
-        return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 12
+        return _summed(da, x), _summed(db, y), dc, dbias, dres, *(None,) * 13
 
 
 _apply = raw_apply(_MatmulFunction)

@@ -122,8 +122,13 @@ def _forward_run(problem, out_shape, swapped, example) -> Callable[..., tuple]:
 
     def run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1, shape=None) -> tuple:
         device = a.device
-        out = torch.empty(out_shape if shape is None else shape, dtype=out_dtype, device=device)
-        pre = torch.empty(out_shape, dtype=pre_dtype, device=device) if store_pre else None
+        # Sizes one by one: a tuple or torch.Size costs the argument parser microseconds more.
+        size = out_shape if shape is None else shape
+        if size:
+            out = torch.empty(*size, dtype=out_dtype, device=device)
+        else:  # a scalar: torch.empty needs a size
+            out = torch.empty((), dtype=out_dtype, device=device)
+        pre = torch.empty(*out_shape, dtype=pre_dtype, device=device) if store_pre else None
         amax = torch.zeros((), dtype=torch.float32, device=device) if want_amax else None
         if launch is not None:
             launch(*args(a, b, out, c, bias, residual, pre, scale_a, scale_b, amax), alpha, beta, p0, p1)
@@ -204,9 +209,9 @@ def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[...,
 
     def run(grad, pre, p0, p1) -> tuple:
         device = grad.device
-        dpre = torch.empty(grad.shape, dtype=dpre_dtype, device=device) if activation >= 0 else None
+        dpre = torch.empty(*grad.shape, dtype=dpre_dtype, device=device) if activation >= 0 else None
         db = torch.empty(cols, dtype=bias_dtype, device=device) if dbias else None
-        ws = torch.empty((chunks, cols), dtype=ws_dtype, device=device) if dbias else grad
+        ws = torch.empty(chunks, cols, dtype=ws_dtype, device=device) if dbias else grad
         launch(grad, grad if pre is None else pre, grad if dpre is None else dpre, ws, p0, p1)
         if db is not None:
             reduce(ws, *(db,) * 8, 1.0, 0.0, 0.0, 0.0)

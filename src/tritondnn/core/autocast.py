@@ -102,30 +102,32 @@ def autocast_policy(
         def call(*args: Any, **kwargs: Any) -> Any:
             if not _any_autocast():
                 return fn(*args, **kwargs)
-            device_type = _device_type((*args, *kwargs.values()))
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor):  # the common case, without building a tuple
+                device_type: str | None = first.device.type
+            else:
+                device_type = _device_type((*args, *kwargs.values()))
             policy = policies.get(device_type) if device_type is not None else None
             if callable(policy):
-                policy = policy(args[0])
+                policy = policy(first)
             if policy is None or not torch.is_autocast_enabled(device_type) or skipped(args, kwargs):
                 return fn(*args, **kwargs)
             dtype = torch.float16 if policy == FP16 else torch.get_autocast_dtype(device_type)
-            compiling = torch.compiler.is_compiling()
-            if inside is not None and not compiling:
-                torch.set_autocast_enabled(device_type, False)
-                try:
-                    out = inside(dtype, *args, **kwargs)
-                finally:
-                    torch.set_autocast_enabled(device_type, True)
-                if out is not NotImplemented:
-                    return out
-            args = tuple(_cast(a, policy, dtype) for a in args)
-            kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
-            if compiling:
+            if torch.compiler.is_compiling():
+                args = tuple(_cast(a, policy, dtype) for a in args)
+                kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
                 with torch.autocast(device_type, enabled=False):
                     return fn(*args, **kwargs)
             # The context manager costs ~10 us of host time a call; the flag alone is what matters.
             torch.set_autocast_enabled(device_type, False)
             try:
+                if inside is not None:
+                    out = inside(dtype, *args, **kwargs)
+                    if out is not NotImplemented:
+                        return out
+                args = tuple(_cast(a, policy, dtype) for a in args)
+                if kwargs:
+                    kwargs = {k: _cast(v, policy, dtype) for k, v in kwargs.items()}
                 return fn(*args, **kwargs)
             finally:
                 torch.set_autocast_enabled(device_type, True)

@@ -464,17 +464,15 @@ def _eager_forward(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse
     views = {"o": _bhsd(out, meta.layout), "lse": _lse_view(lse, meta)}
     plan = _plan("fwd", call.tensors(), meta, False, call.softcap > 0, views)
     qk_scale, cap_scale = _floats(call.scale, call.softcap)
-    order = sorted(range(out.ndim), key=lambda d: -out.stride(d))
-    physical = [out.shape[d] for d in order]
-    back = [order.index(d) for d in range(out.ndim)]
-    out_dtype, lse_shape, layout, pages = out.dtype, lse.shape, meta.layout, call.k.shape[0]
+    make_out = _allocator(out)
+    lse_shape, layout, pages = lse.shape, meta.layout, call.k.shape[0]
     descale = call.descale  # fp8 without descale arguments: the call's constant ones
 
     def run(q, k, v, block_table):
         if paged:
             check_values(OP, "block_table", block_table, 0, pages - 1, "pages")
             block_table = block_table.to(torch.int32)
-        o = torch.empty(physical, dtype=out_dtype, device=q.device).permute(back)
+        o = make_out()
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         q4 = _bhsd(q, layout)
         absent = q4
@@ -511,19 +509,21 @@ class _EagerAttention(torch.autograd.Function):
 _apply_eager = raw_apply(_EagerAttention)
 
 
-def _allocator(t: torch.Tensor, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    """A function allocating what ``_empty_out(t, t.shape[-1], dtype)`` does, for tensors of
-    ``t``'s geometry: the memory order worked out once."""
-    out = _empty_out(t, t.shape[-1], dtype)
-    order = sorted(range(out.ndim), key=lambda d: -out.stride(d))
-    physical, back, device = (
-        [out.shape[d] for d in order],
-        [order.index(d) for d in range(out.ndim)],
-        t.device,
-    )
-    if order == list(range(out.ndim)):
+def _allocator(like: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function allocating tensors of ``like``'s shape, dtype, device and memory order (a
+    dense one), the order worked out once."""
+    order = sorted(range(like.ndim), key=lambda d: -like.stride(d))
+    physical, back = [like.shape[d] for d in order], [order.index(d) for d in range(like.ndim)]
+    dtype, device = like.dtype, like.device
+    if order == list(range(like.ndim)):
         return lambda: torch.empty(*physical, dtype=dtype, device=device)
     return lambda: torch.empty(*physical, dtype=dtype, device=device).permute(back)
+
+
+def _plannable(call: _Call, out: torch.Tensor) -> bool:
+    """Whether a repeat of ``call`` (``out``: its output) can run a bound plan: a non-empty
+    output, keys and head dimension (the op's special cases write zeros instead)."""
+    return bool(out.numel() and call.k.numel() and call.meta.seqlen_kv and out.shape[-1])
 
 
 def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> Callable:
@@ -532,7 +532,7 @@ def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_ls
     as given (launches read only data pointers); the call kept holds none of this call's tensors
     (the options that would are absent here)."""
     template = call._replace(q=None, k=None, v=None)
-    if not (out.numel() and call.k.numel() and call.meta.seqlen_kv and out.shape[-1]):
+    if not _plannable(call, out):
 
         def general(q, k, v, block_table):
             o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
@@ -541,7 +541,7 @@ def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_ls
         return general
     meta, layout, scale, softcap = call.meta, call.meta.layout, call.scale, call.softcap
     qk_scale, cap_scale = _floats(scale, softcap)
-    makers = [_allocator(t, t.dtype) for t in (call.q, call.k, call.v)]
+    makers = [_allocator(_empty_out(t, t.shape[-1], t.dtype)) for t in (call.q, call.k, call.v)]
     out_strides = out.stride()
     backward_plan: list = [None, None]  # (config version, plan): looked up on the first backward
 
@@ -716,7 +716,7 @@ def sdpa(
             _cache(eager, _eager_training(call, o, lse, return_lse))
     else:
         o, lse = _forward(*call.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
-        if eager is not None and o.numel() and call.k.numel() and call.meta.seqlen_kv and o.shape[-1]:
+        if eager is not None and _plannable(call, o):
             _cache(eager, _eager_forward(call, o, lse, return_lse))
     if call.meta.squeeze:
         o = o.squeeze(1)

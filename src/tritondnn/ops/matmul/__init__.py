@@ -348,6 +348,9 @@ def matmul(
     return result
 
 
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts to a lower dtype
+
+
 def _linear_autocast(
     dtype: torch.dtype,
     input: torch.Tensor,
@@ -365,8 +368,7 @@ def _linear_autocast(
     with nothing to cast or outside the cached eager path's reach."""
     if residual is not None or out_dtype is not None or not (eager_tensor(input) and eager_tensor(weight)):
         return NotImplemented
-    castable = (torch.float32, torch.float16, torch.bfloat16)
-    if input.dtype not in castable or weight.dtype not in castable:
+    if input.dtype not in _CASTABLE or weight.dtype not in _CASTABLE:
         return NotImplemented
     if input.dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype):
         return NotImplemented

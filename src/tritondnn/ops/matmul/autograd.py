@@ -143,17 +143,15 @@ class _MatmulFunction(torch.autograd.Function):
             a, b = a.to(cast), b.to(cast)
         x, y = a, b
         ctx.plan = plan
-        if plan is not None:  # launches read only data pointers: the views are not needed
+        if plan is None:  # with a plan, the launches read only data pointers: no views needed
+            a = a if rows is None else a.view(rows)
+            b = b.mT if transposed else b
+            if direct_call(a):
+                flags = (out_dtype, bias_kind, activation, store_pre or keep, False)
+                plan = ctx.plan = forward_plan(a, b, c, bias, residual, False, *flags)
+        if plan is not None:
             out, pre, _ = plan(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, out_shape)
-        elif direct_call(a):
-            a = a if rows is None else a.view(rows)
-            b = b.mT if transposed else b
-            flags = (out_dtype, bias_kind, activation, store_pre or keep, False)
-            ctx.plan = forward_plan(a, b, c, bias, residual, False, *flags)
-            out, pre, _ = ctx.plan(a, b, c, bias, residual, None, None, alpha, beta, p0, p1, out_shape)
         else:
-            a = a if rows is None else a.view(rows)
-            b = b.mT if transposed else b
             out, pre = _product(
                 a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre or keep,
                 out_dtype, out_shape,

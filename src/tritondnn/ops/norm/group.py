@@ -94,6 +94,19 @@ def _sum_gc(x):
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _sum_gc_with_squares(x):
+    """(_sum_gc(x), _sum_gc(x * x)) as one reduction: one exchange between warps, not two."""
+    s, q = tl.reduce((x, x * x), 2, _add_pairs)
+    s, q = tl.reduce((s, q), 1, _add_pairs)
+    return s[:, None, None], q[:, None, None]
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
     eps, act_p0, act_p1,
@@ -104,8 +117,10 @@ def _forward_kernel(
 ):  # fmt: skip
     """y = act(group_norm(x) * w + b); mean and 1/std saved per (n, group) in ACC precision.
 
-    ONE_BLOCK: all ``spatial`` positions fit in BLOCK_S (one read). Otherwise a first loop merges
-    per-block means and squared deviations (Chan et al.) and a second loop writes.
+    ONE_BLOCK: all ``spatial`` positions fit in BLOCK_S (one read); the sums of x - shift and of
+    its squares come from one reduction (the variance E[xs^2] - E[xs]^2 loses nothing: E[xs] is
+    only the shift's rounding). Otherwise a first loop merges per-block means and squared
+    deviations (Chan et al.) and a second loop writes.
 
     Statistics are of x - shift, shift the first block's mean rounded to ACC: for a mean far
     from 0 (1e4 with unit variance), x - shift is exact and the mean subtracted is small, where
@@ -120,9 +135,10 @@ def _forward_kernel(
     shift = _sum_gc(x) / (cpg * tl.minimum(spatial, BLOCK_S)).to(ACC)
     if ONE_BLOCK:
         xs = tl.where(mask, x - shift, 0.0)
-        mean = _sum_gc(xs) / count  # of x - shift
-        xc = tl.where(mask, xs - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(_sum_gc(xc * xc) / count + eps)
+        total, squares = _sum_gc_with_squares(xs)
+        mean = total / count  # of x - shift
+        rstd = 1.0 / tl.sqrt(tl.maximum(squares / count - mean * mean, 0.0) + eps)
+        xc = xs - mean
     else:
         seen = tl.zeros([BLOCK_G, 1, 1], ACC)
         mean = tl.zeros([BLOCK_G, 1, 1], ACC)
@@ -220,22 +236,23 @@ def _backward_kernel(
         dw_c = tl.sum(dy * xhat, 2)[:, :, None]
         db_c = tl.sum(dy, 2)[:, :, None]
     else:
-        c1 = tl.zeros([BLOCK_G, 1, 1], ACC)
-        c2 = tl.zeros([BLOCK_G, 1, 1], ACC)
-        dw_c = tl.zeros([BLOCK_G, BLOCK_C, 1], ACC)
-        db_c = tl.zeros([BLOCK_G, BLOCK_C, 1], ACC)
+        # Elementwise sums in the loop, reduced once after it (a reduction a block made the warps
+        # wait on each other every block: 183 -> 151 us on GN 64x256x56x56 bf16). The group sums
+        # follow from the channel sums: sum(x-hat * w * dy) = sum over channels of w * dw_c.
+        dw_e = tl.zeros([BLOCK_G, BLOCK_C, BLOCK_S], ACC)
+        db_e = tl.zeros([BLOCK_G, BLOCK_C, BLOCK_S], ACC)
         for s0 in range(0, spatial, BLOCK_S):
             mask = ch_mask & (s0 + pos < spatial)
             at = offs + s0 * stride_s
-            dy, xhat, wdy = grad_tile(
+            dy, xhat, _wdy = grad_tile(
                 dy_ptr, x_ptr, at, mask, w, b, mean, rstd, act_p0, act_p1, ACC, HAS_B, ACT, ""
             )
-            c1 += _sum_gc(xhat * wdy)
-            c2 += _sum_gc(wdy)
-            dw_c += tl.sum(dy * xhat, 2)[:, :, None]
-            db_c += tl.sum(dy, 2)[:, :, None]
-        c1 = c1 / count
-        c2 = c2 / count
+            dw_e += dy * xhat
+            db_e += dy
+        dw_c = tl.sum(dw_e, 2)[:, :, None]
+        db_c = tl.sum(db_e, 2)[:, :, None]
+        c1 = tl.sum(w * dw_c, 1)[:, :, None] / count
+        c2 = tl.sum(w * db_c, 1)[:, :, None] / count
         n_blocks = tl.cdiv(spatial, BLOCK_S)
         for i in range(0, n_blocks):  # backwards, as the forward's output pass (L2 hits)
             s0 = (n_blocks - 1 - i) * BLOCK_S
@@ -308,7 +325,7 @@ class _GroupEngine(Engine[GroupNormProblem]):
         """(BLOCK_G, BLOCK_S) candidates; BLOCK_C always covers a group's channels."""
         raise NotImplementedError
 
-    def _warps(self, tile: int) -> tuple[int, ...]:
+    def _warps(self, problem: GroupNormProblem, tile: int) -> tuple[int, ...]:
         """num_warps candidates for a tile of ``tile`` elements, the heuristic's first."""
         return max(4, min(16, tile // 1024)), max(4, min(16, tile // 512))
 
@@ -318,7 +335,7 @@ class _GroupEngine(Engine[GroupNormProblem]):
         for block_g, block_s in self._shapes(problem):
             block_g = min(block_g, triton.next_power_of_2(problem.groups))
             tile = block_g * block_c * block_s
-            for warps in self._warps(tile):
+            for warps in self._warps(problem, tile):
                 config = {"BLOCK_G": block_g, "BLOCK_C": block_c, "BLOCK_S": block_s, "num_warps": warps}
                 if config not in out and (tile <= MAX_TILE[problem.backward] or not self.one_block):
                     out.append(config)
@@ -383,8 +400,9 @@ class OneBlockEngine(_GroupEngine):
 
     def cost(self, problem: GroupNormProblem) -> float:
         # Measured on H100, bf16 64x256x56x56 NCHW: a 1 x 3136 instance tile runs at 98% of the
-        # copy bandwidth, an 8 x 3136 group tile (one program a multiprocessor, its loads,
-        # reductions and stores in turn) at 67%, where the looped engine reaches 77%.
+        # copy bandwidth, an 8 x 3136 group tile (8 warps, the whole register file: one program
+        # a multiprocessor) at 84%, where the looped engine (two reads, the second from L2)
+        # reaches 77%. fp64 tiles that large would spill.
         # In channels_last a program reads its groups' channels at every position: fewer than 16
         # contiguous channels waste most of each memory sector (instance norm's backward, 4
         # channels a program: 415 us against the looped engine's 278).
@@ -392,7 +410,12 @@ class OneBlockEngine(_GroupEngine):
         if problem.channels_last:
             fit = min(MAX_TILE[problem.backward] // tile, problem.groups)
             return 1.0 if fit * problem.cpg >= 16 else 2.0
-        return 2.0 if tile > 8192 else 1.0
+        return 2.0 if tile > 8192 and problem.acc == tl.float64 else 1.0
+
+    def _warps(self, problem: GroupNormProblem, tile: int) -> tuple[int, ...]:
+        if tile >= 32768:  # 128 fp32 a thread at 8 warps: no spills, and faster than 16 warps
+            return 8, 16
+        return super()._warps(problem, tile)
 
     def _shapes(self, problem: GroupNormProblem) -> list[tuple[int, int]]:
         block_s = triton.next_power_of_2(problem.spatial)
@@ -413,8 +436,10 @@ class LoopedEngine(_GroupEngine):
     def cost(self, problem: GroupNormProblem) -> float:
         return 1.5
 
-    def _warps(self, tile: int) -> tuple[int, ...]:
+    def _warps(self, problem: GroupNormProblem, tile: int) -> tuple[int, ...]:
         # Several small programs a multiprocessor overlap one's loads with another's stores.
+        if problem.backward:  # its elementwise sums take registers: more warps a tile
+            return max(4, min(16, tile // 1024)), max(4, min(16, tile // 2048))
         return max(4, min(16, tile // 2048)), max(4, min(16, tile // 1024))
 
     def _shapes(self, problem: GroupNormProblem) -> list[tuple[int, int]]:
@@ -426,9 +451,8 @@ class LoopedEngine(_GroupEngine):
                 (max(1, g // 4), max(1, 4096 // (max(1, g // 4) * block_c))),
             ]
         # Measured (H100, 8 x 3136 groups): forward best at 8192-element tiles and 4 warps (94 us
-        # against 104-113 for 2048-4096), backward at 2048 (183 us against 205 at 4096).
-        tiles = (8192, 4096, 2048) if not problem.backward else (2048, 4096, 8192)
-        return [(1, max(1, t // block_c)) for t in tiles]
+        # against 104-113 for 2048-4096), backward at 8192 and 8 warps (151 us; 170 at 4096).
+        return [(1, max(1, t // block_c)) for t in (8192, 4096, 2048)]
 
 
 # The channels_last split engine (statistics, finalize, apply) lives in group_split.py, the

@@ -136,8 +136,13 @@ def normal_cdf(x):
 
 @triton.jit
 def sigmoid(x):
-    """1 / (1 + exp(-x)); exact limits 0 and 1, no overflow warning paths."""
-    return 1.0 / (1.0 + tl.exp(-x))
+    """1 / (1 + exp(-x)); exact limits 0 and 1, no overflow warning paths. fp32 takes the
+    reciprocal instruction (about 1 ulp) instead of the IEEE division's dozen: a fused
+    GroupNorm + SiLU over bf16 is otherwise bound by the division's issue slots."""
+    if x.dtype == tl.float32:
+        return reciprocal_ftz(1.0 + tl.exp(-x))
+    else:
+        return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit

@@ -400,9 +400,10 @@ class OneBlockEngine(_GroupEngine):
 
     def cost(self, problem: GroupNormProblem) -> float:
         # Measured on H100, bf16 64x256x56x56 NCHW: a 1 x 3136 instance tile runs at 98% of the
-        # copy bandwidth, an 8 x 3136 group tile (8 warps, the whole register file: one program
-        # a multiprocessor) at 84%, where the looped engine (two reads, the second from L2)
-        # reaches 77%. fp64 tiles that large would spill.
+        # copy bandwidth. An 8 x 3136 group tile takes the whole register file (8 warps, one
+        # program a multiprocessor), so its loads, arithmetic and stores take turns: 97 us
+        # alone, 158 with a fused SiLU, where the looped engine (two reads, the second from L2,
+        # many programs a multiprocessor) runs 94 and 133.
         # In channels_last a program reads its groups' channels at every position: fewer than 16
         # contiguous channels waste most of each memory sector (instance norm's backward, 4
         # channels a program: 415 us against the looped engine's 278).
@@ -410,7 +411,7 @@ class OneBlockEngine(_GroupEngine):
         if problem.channels_last:
             fit = min(MAX_TILE[problem.backward] // tile, problem.groups)
             return 1.0 if fit * problem.cpg >= 16 else 2.0
-        return 2.0 if tile > 8192 and problem.acc == tl.float64 else 1.0
+        return 2.0 if tile > 8192 else 1.0
 
     def _warps(self, problem: GroupNormProblem, tile: int) -> tuple[int, ...]:
         if tile >= 32768:  # 128 fp32 a thread at 8 warps: no spills, and faster than 16 warps

@@ -14,6 +14,7 @@ from helpers import DEVICE, ON_GPU, assert_close, randn
 from tritondnn.ops import matmul as mm
 from tritondnn.ops.epilogue import Epilogue
 from tritondnn.ops.matmul import engines as mm_engines
+from tritondnn.ops.matmul import plans as mm_plans
 
 CPU_DTYPES = (torch.float16, torch.float32)
 BF16_ON_GPU = "Triton's interpreter computes bf16 tl.dot wrongly"
@@ -715,6 +716,33 @@ def test_linear(shape_x, shape_w, bias, activation, dtype, poison):
     torch_grads = torch.autograd.grad(torch_out, torch_leaves, dy)
     for g, g_ref, g_torch in zip(ours, theirs, torch_grads):
         assert_close(g, g_ref, g_torch, "linear gradient")
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_bias_gradient_finalized_by_the_last_program(activation, monkeypatch):
+    """The bias gradient's partial sums over row chunks are added by the last program of each
+    column block to arrive (no second launch): several chunks and column blocks, the partials
+    read two at a time, values against float64 and the same bits on a second call (the arrival
+    counters reset themselves)."""
+    monkeypatch.setattr(mm_plans, "sm_count", lambda: 132)
+    monkeypatch.setattr(mm_plans, "BIAS_PARTIALS_A_LOAD", 2)
+    monkeypatch.setattr(mm_plans, "_plans", {})
+    x, w, b = randn(3, 500, 24), randn(130, 24), randn(130)
+    dy = randn(3, 500, 130)
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_(True) for t in (x, w, b)]
+        out = mm.linear(*leaves, activation=activation)
+        grads.append(torch.autograd.grad(out, leaves[2], dy)[0])
+
+    def torch_bias_grad(x, w, b, dy):
+        b = b.detach().requires_grad_(True)
+        y = F.linear(x, w, b)
+        return torch.autograd.grad(F.gelu(y) if activation else y, b, dy)[0]
+
+    want = torch_bias_grad(x.double(), w.double(), b.double(), dy.double())
+    assert_close(grads[0], want, torch_bias_grad(x, w, b, dy), "bias gradient")
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_linear_weight_is_not_copied(monkeypatch):

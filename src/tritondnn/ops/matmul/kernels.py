@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...core.arrival import last_arrival
 from ...core.numerics import convert
 from ..activation import activation_gradient, activation_value
 from ..epilogue import apply_epilogue, reduce_amax
@@ -266,12 +267,12 @@ def _reduce_kernel(
 
 @triton.jit
 def _grad_epilogue_kernel(
-    g_ptr, pre_ptr, dpre_ptr, ws_ptr,
+    g_ptr, pre_ptr, dpre_ptr, ws_ptr, db_ptr, counter_ptr,
     p0, p1,
     R, C, rows_inner, rows_chunk,
     sg_o, sg_r, sg_c, sp_o, sp_r, sp_c, sd_o, sd_r, sd_c,
     ACT: tl.constexpr, DBIAS: tl.constexpr, ACC: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The epilogue's backward: dpre = g * act'(pre) and the bias gradient, the sum of dpre over rows.
 
@@ -279,8 +280,9 @@ def _grad_epilogue_kernel(
     * s_r`` (batches of rows_inner rows). A per-column bias sums over rows = (batch, M); a per-row
     bias is the same walk with M and N exchanged. Grid: (cdiv(C, BLOCK_C), chunks): program
     (j, s) covers rows [s * rows_chunk, (s + 1) * rows_chunk) and writes its column sums to
-    ``ws`` [chunks, C] in fp32, summed in order by ``_reduce_kernel``. ACT < 0: dpre is g and is
-    not written.
+    ``ws`` [chunks, C] (fp32, fp64 for fp64); the last program of column block j to arrive on
+    ``counter[j]`` adds the chunks' sums, BLOCK_K chunks a load, in a fixed order (the same bits
+    whoever arrives last) and stores ``db``. ACT < 0: dpre is g and is not written.
     """
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     chunk = tl.program_id(1)
@@ -314,3 +316,12 @@ def _grad_epilogue_kernel(
             total += tl.where(mask, d, 0.0)
     if DBIAS:
         tl.store(ws_ptr + chunk * C + cols, tl.sum(total, 0), mask=col_ok)
+        chunks = tl.num_programs(1)
+        if last_arrival(counter_ptr + tl.program_id(0), chunks):
+            k = tl.arange(0, BLOCK_K)[:, None]
+            sums = tl.zeros((BLOCK_K, BLOCK_C), ACC)
+            for k0 in range(0, chunks, BLOCK_K):
+                mask = (k0 + k < chunks) & col_ok[None, :]
+                at = ws_ptr + (k0 + k) * C + cols[None, :]
+                sums += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(db_ptr + cols, convert(tl.sum(sums, 0), db_ptr.dtype.element_ty), mask=col_ok)

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import torch
 import triton.language as tl
 
+from ...core.arrival import arrival_counters
 from ...core.backend import sm_count
 from ...core.config import config
 from ...core.launcher import cdiv, launcher
 from .engines import FAMILY, layout, preactivation_dtype
-from .kernels import _grad_epilogue_kernel, _reduce_kernel
+from .kernels import _grad_epilogue_kernel
 
 _plans: dict[tuple, Callable[..., tuple]] = {}
 
@@ -152,6 +153,10 @@ def backward_plan(
     return found
 
 
+# Partial bias sums the finalizing program reads a load (a loop only past this many chunks).
+BIAS_PARTIALS_A_LOAD = 64
+
+
 def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[..., tuple]:
     batch, m, n = grad.shape
     dpre_dtype = grad.dtype if pre is None else pre.dtype
@@ -177,8 +182,9 @@ def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[...,
     dpre_strides = (m * n, 1, n) if bias_kind == 2 else (m * n, n, 1)
     # Tall tiles and 8 warps keep enough loads in flight. H100, bf16, 8192 rows (GPT-2 small's
     # tokens), us: the bias gradient alone over 2304 and 768 columns 50.1 and 23.9 in 32x64 tiles
-    # with 4 warps, 27.7 and 15.6 so (the second launch included); GELU's gradient with the bias's
-    # over 3072 columns 107.1 -> 66.9 in 64x64 tiles. (Copy-rate floors: 12.6, 4.2 and 50.3.)
+    # with 4 warps, 27.7 and 15.6 so (a second launch then summed the partials; the last program
+    # of each column block does now, a launch fewer a call); GELU's gradient with the bias's over
+    # 3072 columns 107.1 -> 66.9 in 64x64 tiles. (Copy-rate floors: 12.6, 4.2 and 50.3.)
     block_r, block_c, warps = (64 if activation >= 0 else 128), 64, 8
     col_blocks = cdiv(cols, block_c)
     chunks = cdiv(rows, 4 * block_r)
@@ -187,34 +193,27 @@ def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[...,
     chunks = max(1, min(chunks, 65535))
     rows_chunk = cdiv(cdiv(rows, chunks), block_r) * block_r
     chunks = cdiv(rows, rows_chunk)
+    ws_acc = tl.float64 if fp64 else tl.float32
     launch = launcher(
         _grad_epilogue_kernel,
         (col_blocks, chunks),
-        num_tensors=4,
+        num_tensors=6,
         ints=(rows, cols, rows_inner, rows_chunk, *strides3(grad), *strides3(pre), *dpre_strides),
-        constexprs=(activation, dbias, tl.float64 if fp64 else tl.float32, index_64, block_r, block_c),
+        constexprs=(activation, dbias, ws_acc, index_64, block_r, block_c, BIAS_PARTIALS_A_LOAD),
         num_warps=warps,
     )
-    # The partial sums [chunks, cols] are a split of one 1 x cols "matrix": the matmul reduction
-    # kernel adds them in order and stores the bias gradient in its dtype.
-    block_n = 256
-    reduce = launcher(
-        _reduce_kernel,
-        (cdiv(cols, block_n),),
-        num_tensors=9,
-        ints=(1, cols, 1, 1, chunks, *(0, 0, 0, 1), *(0,) * 9),
-        constexprs=(False, 0, -1, False, False, False, False, False, 1, block_n),
-        num_warps=4,
-    )
+    counters = arrival_counters(col_blocks)
 
     def run(grad, pre, p0, p1) -> tuple:
         device = grad.device
         dpre = torch.empty(*grad.shape, dtype=dpre_dtype, device=device) if activation >= 0 else None
-        db = torch.empty(cols, dtype=bias_dtype, device=device) if dbias else None
-        ws = torch.empty(chunks, cols, dtype=ws_dtype, device=device) if dbias else grad
-        launch(grad, grad if pre is None else pre, grad if dpre is None else dpre, ws, p0, p1)
-        if db is not None:
-            reduce(ws, *(db,) * 8, 1.0, 0.0, 0.0, 0.0)
+        if dbias:
+            db = torch.empty(cols, dtype=bias_dtype, device=device)
+            ws = torch.empty(chunks, cols, dtype=ws_dtype, device=device)
+            last = (ws, db, counters(grad))
+        else:
+            db, last = None, (grad,) * 3
+        launch(grad, grad if pre is None else pre, grad if dpre is None else dpre, *last, p0, p1)
         return dpre, db
 
     return run

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.backend import INTERPRET, multiprocessor_count
+from ...core.arrival import arrival_counters
+from ...core.backend import multiprocessor_count
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
 from .batch_kernels import (
@@ -23,11 +24,6 @@ from .batch_kernels import (
     _stats_kernel,
 )
 from .common import NO_ACTIVATION, dtype_name, ncs_layout, sum_partials
-
-# The current stream's handle on a device, for keying per-stream buffers (0 under the interpreter).
-_current_stream: Callable[[int], int] = (
-    (lambda device: 0) if INTERPRET else torch._C._cuda_getCurrentRawStream
-)
 
 # ---------------------------------------------------------------------------------------------
 # Engine: one tiled algorithm; the problem says which step (statistics, finalize + apply,
@@ -127,7 +123,7 @@ class TiledEngine(Engine[BatchNormProblem]):
         # Training's statistics pass and the backward's sums finalize in their last programs
         # (one arrival counter per channel block), BLOCK_K partials per load.
         block_k = max(1, min(triton.next_power_of_2(splits), 2048 // block_c))
-        counters = _arrival_counters(c_blocks)
+        counters = arrival_counters(c_blocks)
         if step == "stats":
             stats = launcher(
                 _stats_kernel, (c_blocks, splits), 3, ints, (p.acc, packed, *tiles), num_warps=warps
@@ -256,23 +252,6 @@ class TiledEngine(Engine[BatchNormProblem]):
             apply_grad(dy, x, mean, rstd, w, b, dsum, dxsum, dx, p0, p1, float(count))
 
         return backward
-
-
-def _arrival_counters(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``counters(x)``: ``n`` int32 arrival counters on x's device for the launches that finalize
-    in their last program; zero between launches (the last program resets its counter). One set
-    per device and stream: launches on one stream run in order, two streams' may overlap."""
-    sets: dict[tuple[int, int], torch.Tensor] = {}
-
-    def counters(x: torch.Tensor) -> torch.Tensor:
-        device = x.get_device()
-        key = (device, _current_stream(device))
-        found = sets.get(key)
-        if found is None:
-            found = sets[key] = torch.zeros(n, dtype=torch.int32, device=x.device)
-        return found
-
-    return counters
 
 
 def channel_sums(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ them)."""
 import triton
 import triton.language as tl
 
+from ...core.arrival import last_arrival
 from ...core.numerics import convert
 from ..activation import activation_gradient, activation_value
 
@@ -89,19 +90,6 @@ def _stats_kernel(
 
 
 @triton.jit
-def _last_arrival(counter_ptr, arrivals):
-    """Whether this program is the last of ``arrivals`` to reach the int32 ``counter`` (zero
-    before; the last resets it for the next launch). The barrier puts every thread's stores
-    before the release; after the acquire the last program reads what the others stored, past L1
-    (".cg" loads)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == arrivals - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
-@triton.jit
 def _sum_splits(part_ptr, cols, n_channels, splits, ACC: tl.constexpr, BLOCK_K: tl.constexpr):
     """Sums over the splits of a (2, splits, C) buffer of partials at channels ``cols``: BLOCK_K
     splits per load (one memory round trip each, not one per split), added in a fixed order."""
@@ -145,7 +133,7 @@ def _stats_finalize_kernel(
     )  # fmt: skip
     tl.store(part_ptr + split * n_channels + cols, total, mask=cm)
     tl.store(part_ptr + (splits + split) * n_channels + cols, total_sq, mask=cm)
-    if _last_arrival(counter_ptr + tl.program_id(0), splits):
+    if last_arrival(counter_ptr + tl.program_id(0), splits):
         total, total_sq = _sum_splits(part_ptr, cols, n_channels, splits, ACC, BLOCK_K)
         _finalize_channels(
             cols, total, total_sq, shift, w_ptr, rmean_ptr, rvar_ptr, mean_ptr, rstd_ptr, scale_ptr,
@@ -359,7 +347,7 @@ def _backward_sums_kernel(
     )  # fmt: skip
     tl.store(part_ptr + split * n_channels + cols, total, mask=cm)
     tl.store(part_ptr + (splits + split) * n_channels + cols, total_x, mask=cm)
-    if _last_arrival(counter_ptr + tl.program_id(0), splits):
+    if last_arrival(counter_ptr + tl.program_id(0), splits):
         total, total_x = _sum_splits(part_ptr, cols, n_channels, splits, ACC, BLOCK_K)
         tl.store(dsum_ptr + cols, total, mask=cm)
         tl.store(dxsum_ptr + cols, total_x, mask=cm)

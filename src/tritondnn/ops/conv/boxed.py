@@ -324,12 +324,14 @@ def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int]]:
     """(pixels per tile, BLOCK_N, BLOCK_K), the heuristic's pick first. On an H100 (bf16, N=64,
     ResNet-50's layers) the best tiles held 16K-32K accumulators with one program a
     multiprocessor: 256 x 128, 128 x 256 (64 x 256 at 7x7, where one warp group ran 44 us against
-    two's 50). Where the output has 64 channels, 128 x 64 tiles two programs a multiprocessor (one's
-    epilogue overlapping the other's loop) beat 256 x 64 ones alone: 3x3 64 @56 with bias, ReLU
-    and a residual 70.0 us against 84.8."""
+    two's 50). Where the forward's output has 64 channels, 128 x 64 tiles two programs a
+    multiprocessor (one's epilogue overlapping the other's loop) beat 256 x 64 ones alone: 3x3 64
+    @56 with bias and ReLU 76.5 -> 65.2 us, with a residual too 84.8 -> 70.0; the same tiles made
+    the 1x1 256 -> 64 data gradient slower (dgrad+wgrad 127 -> 201 us), so gradients keep 256 x 64."""
     if p.dtype == "float32":
         return [(128, 128, 32), (64, 128, 32), (128, 64, 32)]
-    first = {64: (128, 64), 128: (256, 128)}.get(max(64, 1 << (cols - 1).bit_length()), (128, 256))
+    narrow = (128 if p.direction == "fwd" else 256, 64)
+    first = {64: narrow, 128: (256, 128)}.get(max(64, 1 << (cols - 1).bit_length()), (128, 256))
     tiles: list[tuple[int, int, int]] = []
     for pixels, bn in (first, (128, 128), (128, 256), (256, 128), (256, 64)):
         if (pixels, bn, 64) not in tiles and bn <= max(64, 2 * cols):
@@ -346,11 +348,11 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
     for pixels, bn, bk in [(16, 16, 16)] if INTERPRET else _tiles(p, geo.cols):
         if p.groups > 1:  # a K step must stay inside the group's channels
             bk = math.gcd(bk, geo.ck)
+        # The forward's 16-bit 128 x 64 tiles (96 KB in 4 stages) share a multiprocessor (_tiles).
+        per_sm = 2 if p.direction == "fwd" and (pixels, bn) == (128, 64) and itemsize(p.dtype) == 2 else 1
         pixels = _fitted_pixels(geo.out_size, pixels)
         bd, bh, bw = pixel_box(geo.out_size, pixels)
         stage = (pixels + bn) * bk * itemsize(p.dtype)
-        # 16-bit tiles of 8K accumulators in 4 stages (96 KB) leave room for a second program.
-        per_sm = 2 if pixels * bn <= 8192 and itemsize(p.dtype) == 2 else 1
         configs.append(
             {"BD": bd, "BH": bh, "BW": bw, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": True}
             | {"PER_SM": per_sm, "num_warps": 8 if pixels * bn >= 32768 else 4}

@@ -140,6 +140,7 @@ def test_conv_epilogue_channels_last(poison):
     plan, out = check_plan(g, feeds_for(g))
     assert len(plan.steps) == 1 and plan.steps[0].fold["residual"].name == "r"
     assert next(iter(out.values())).is_contiguous(memory_format=torch.channels_last)
+    check_plan(g, feeds_for(g), plan)  # fresh values through the convolution's bound plan
 
 
 def test_norm_folds():

@@ -404,3 +404,24 @@ def test_descriptor_engines_fall_back_on_a_misaligned_base():
     assert_close(dx, rx, what="dgrad")
     dw = conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="shifted_gemm")
     assert_close(dw, rw, what="wgrad")
+
+
+def test_bound_forward_runs_the_plan_on_fresh_tensors():
+    """``conv.bound_forward`` checks once and then runs the plan directly (an operation graph's
+    execute): fresh values of the same signature against float64; None where the checks would
+    adapt an argument per call (unbatched input, a strided bias) or a pre-activation is stored;
+    bad arguments raise as conv2d does."""
+    x, w, b, r = (torch.randn(*s, device=DEVICE) for s in ((2, 8, 9, 9), (6, 8, 3, 3), (6,), (2, 6, 9, 9)))
+    epi = Epilogue(activation="relu", residual=True)
+    run = conv.bound_forward(2, x, w, b, 1, 1, 1, 1, epilogue=epi, residual=r)
+    assert run is not None
+    for _ in range(2):
+        x2, r2 = torch.randn_like(x), torch.randn_like(r)
+        want = F.relu(F.conv2d(x2.double(), w.double(), b.double(), padding=1)) + r2.double()
+        assert_close(run(x2, w, b, None, r2), want, F.relu(F.conv2d(x2, w, b, padding=1)) + r2)
+    assert conv.bound_forward(2, x[0], w, b, 1, 1, 1, 1) is None
+    assert conv.bound_forward(2, x, w, torch.randn(12, device=DEVICE)[::2], 1, 1, 1, 1) is None
+    stored = Epilogue(activation="relu", store_preactivation=True)
+    assert conv.bound_forward(2, x, w, b, 1, 1, 1, 1, epilogue=stored) is None
+    with pytest.raises(ValueError, match="groups"):
+        conv.bound_forward(2, x, w, b, 1, 1, 1, 3)

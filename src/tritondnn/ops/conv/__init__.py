@@ -57,7 +57,7 @@ from .args import (
 )
 from .autograd import _ConvFunction, _ConvTransposeFunction, epilogue_grads
 from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
-from .plans import _dgrad_op, _forward_op, _wgrad_op, make_problem
+from .plans import _dgrad_op, _forward_op, _wgrad_op, forward_plan, make_problem
 from .problem import (
     DTYPES,
     ConvProblem,
@@ -111,9 +111,12 @@ def _parse(op, nd, input, weight, bias, stride, padding, dilation, groups):
     return x, unbatched, groups, stride_, dilation_
 
 
-def _conv(op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual):
+def _conv(
+    op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, bind=False
+):
+    given = (input, bias, c, residual)
     key = None
-    if algo is None and epilogue is None and c is None and residual is None:
+    if not bind and algo is None and epilogue is None and c is None and residual is None:
         key = eager.eager_key(nd, input, weight, bias, stride, padding, dilation, groups)
         fast = eager.programs.get(key) if key is not None else None
         if fast is not None:
@@ -141,6 +144,18 @@ def _conv(op, nd, input, weight, bias, stride, padding, dilation, groups, algo, 
     pre_pad, post_pad = [p[0] for p in pads], [p[1] for p in pads]
     geometry = (list(stride_), pre_pad, post_pad, list(dilation_), groups)
     flags = (epi.alpha, epi.beta, epi.activation_kind, p0, p1)
+    if bind:  # the caller calls the plan itself (see bound_forward)
+        if (
+            unbatched
+            or epi.store_preactivation
+            or any(a is not b for a, b in zip((x, bias, c, residual), given))
+        ):
+            return None  # the checks reshaped or copied a tensor: calls would need them again
+        run = forward_plan(
+            x, weight, bias, c, residual, *geometry, epi.activation_kind, False, out_dtype, algo
+        )
+        scalars = (epi.alpha, epi.beta, p0, p1)
+        return lambda x, w, bias, c, residual: run(x, w, bias, c, residual, *scalars)[0]
     if key is not None:  # validated: later calls with this key skip the checks
         fast = eager.eager_program(x, weight, bias, geometry)
         if fast is not None:
@@ -157,6 +172,32 @@ def _conv(op, nd, input, weight, bias, stride, padding, dilation, groups, algo, 
     if unbatched:
         y, pre = y.squeeze(0), (pre.squeeze(0) if epi.store_preactivation else pre)
     return (y, pre) if epi.store_preactivation else y
+
+
+def bound_forward(
+    nd: int,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+    *,
+    algo: str | None = None,
+    epilogue: Epilogue | None = None,
+    c: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+):
+    """``run(input, weight, bias, c, residual) -> y``: the forward of ``conv{nd}d`` with these
+    arguments, checked once here, then run straight on its plan for tensors of the same shapes,
+    strides and dtypes (an operation graph's execute calls it every time; no autograd). None where
+    a plan cannot be bound: unbatched input, a stored pre-activation, or a tensor that the checks
+    reshape or copy. Raises what ``conv{nd}d`` raises for bad arguments."""
+    op = f"tdnn.conv{nd}d"
+    return _conv(
+        op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, True
+    )
 
 
 _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, plus ``bias``, through

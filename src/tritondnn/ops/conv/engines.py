@@ -69,9 +69,12 @@ def roofline(flops: float, nbytes: float, tflops: float, compute_eff: float, bw_
 
 
 def dot_constexprs(p: ConvProblem) -> tuple:
-    """ACC, PRECISION, UPCAST for tl.dot."""
+    """ACC, PRECISION, UPCAST for tl.dot. fp32 without TF32 takes three TF32 products a product
+    ("tf32x3", about fp32's accuracy, on the tensor cores) as the recurrent networks do: Triton's
+    "ieee" fp32 dot runs on the FMA units."""
     acc = tl.float64 if p.dtype == "float64" else tl.float32
-    return acc, "tf32" if p.tf32 else "ieee", INTERPRET and p.dtype == "bfloat16"
+    precision = "ieee" if p.dtype != "float32" else "tf32" if p.tf32 else "tf32x3"
+    return acc, precision, INTERPRET and p.dtype == "bfloat16"
 
 
 def epilogue_constexprs(p: ConvProblem) -> tuple:

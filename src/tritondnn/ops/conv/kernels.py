@@ -35,7 +35,7 @@ Arguments, documented once:
   (``s_*``: n, c, d, h, w), of w (``w_k``: along the reduction channel, ``w_j``: along the output
   column, ``w_d, w_h, w_w``: taps; ``w_group``: one group's step), of out (``o_*``), the bias
   step; the geometry above; ``row_limit``, above every valid output offset.
-* constexprs: the epilogue flags, ``ACC`` (accumulator dtype), ``PRECISION`` ("ieee"/"tf32"),
+* constexprs: the epilogue flags, ``ACC`` (accumulator dtype), ``PRECISION`` ("ieee"/"tf32"/"tf32x3"),
   ``UPCAST`` (bf16 dots on fp32 copies under the interpreter), ``INDEX_64``, ``K_WALK`` and the
   tile sizes.
 """

@@ -326,8 +326,9 @@ def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int]]:
     multiprocessor: 256 x 128, 128 x 256 (64 x 256 at 7x7, where one warp group ran 44 us against
     two's 50). Where the forward's output has 64 channels, 128 x 64 tiles two programs a
     multiprocessor (one's epilogue overlapping the other's loop) beat 256 x 64 ones alone: 3x3 64
-    @56 with bias and ReLU 76.5 -> 65.2 us, with a residual too 84.8 -> 70.0; the same tiles made
-    the 1x1 256 -> 64 data gradient slower (dgrad+wgrad 127 -> 201 us), so gradients keep 256 x 64."""
+    @56 with bias and ReLU 76.5 -> 65.2 us, with a residual too 84.8 -> 70.0. Gradients keep
+    256 x 64: not measured apart from run-to-run noise with the shared tiles (1x1 64->256 dgrad +
+    wgrad swung 127-201 us with either set)."""
     if p.dtype == "float32":
         return [(128, 128, 32), (64, 128, 32), (128, 64, 32)]
     narrow = (128 if p.direction == "fwd" else 256, 64)

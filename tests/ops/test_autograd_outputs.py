@@ -59,7 +59,8 @@ def test_no_zeros_for_the_extra_output(case):
     inputs, fn = CASES[case]()
     # A first backward builds the plans, and with them one-time workspaces (the bias gradient's
     # zeroed arrival counters); the second shows what every backward does.
-    fn().backward(torch.randn_like(fn()))
+    y = fn()
+    y.backward(torch.randn_like(y))
     y = fn()
     grad = torch.randn_like(y)
     with _OpCounter() as counter:

@@ -320,8 +320,9 @@ def _fitted_pixels(out_size: tuple[int, int, int], pixels: int) -> int:
     return next(q for q in options if uses[q] >= 0.8 * max(uses.values()))
 
 
-def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int]]:
-    """(pixels per tile, BLOCK_N, BLOCK_K), the heuristic's pick first. On an H100 (bf16, N=64,
+def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int, int]]:
+    """(pixels per tile, BLOCK_N, BLOCK_K, persistent programs a multiprocessor), the heuristic's
+    pick first. On an H100 (bf16, N=64,
     ResNet-50's layers) the best tiles held 16K-32K accumulators with one program a
     multiprocessor: 256 x 128, 128 x 256 (64 x 256 at 7x7, where one warp group ran 44 us against
     two's 50). Where the forward's output has 64 channels, 128 x 64 tiles two programs a
@@ -330,13 +331,14 @@ def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int]]:
     256 x 64: not measured apart from run-to-run noise with the shared tiles (1x1 64->256 dgrad +
     wgrad swung 127-201 us with either set)."""
     if p.dtype == "float32":
-        return [(128, 128, 32), (64, 128, 32), (128, 64, 32)]
-    narrow = (128 if p.direction == "fwd" else 256, 64)
-    first = {64: narrow, 128: (256, 128)}.get(max(64, 1 << (cols - 1).bit_length()), (128, 256))
-    tiles: list[tuple[int, int, int]] = []
-    for pixels, bn in (first, (128, 128), (128, 256), (256, 128), (256, 64)):
-        if (pixels, bn, 64) not in tiles and bn <= max(64, 2 * cols):
-            tiles.append((pixels, bn, 64))
+        return [(128, 128, 32, 1), (64, 128, 32, 1), (128, 64, 32, 1)]
+    # The shared 16-bit 128 x 64 tiles take 96 KB in 4 stages: two fit a multiprocessor.
+    narrow = (128, 64, 2) if p.direction == "fwd" else (256, 64, 1)
+    first = {64: narrow, 128: (256, 128, 1)}.get(max(64, 1 << (cols - 1).bit_length()), (128, 256, 1))
+    tiles: list[tuple[int, int, int, int]] = []
+    for pixels, bn, per_sm in (first, (128, 128, 1), (128, 256, 1), (256, 128, 1), (256, 64, 1)):
+        if not any(t[:2] == (pixels, bn) for t in tiles) and bn <= max(64, 2 * cols):
+            tiles.append((pixels, bn, 64, per_sm))
     return tiles
 
 
@@ -346,11 +348,9 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
     0.8-1.0x cuDNN on an H100."""
     geo = _Geometry(p)
     configs = []
-    for pixels, bn, bk in [(16, 16, 16)] if INTERPRET else _tiles(p, geo.cols):
+    for pixels, bn, bk, per_sm in [(16, 16, 16, 1)] if INTERPRET else _tiles(p, geo.cols):
         if p.groups > 1:  # a K step must stay inside the group's channels
             bk = math.gcd(bk, geo.ck)
-        # The forward's 16-bit 128 x 64 tiles (96 KB in 4 stages) share a multiprocessor (_tiles).
-        per_sm = 2 if p.direction == "fwd" and (pixels, bn) == (128, 64) and itemsize(p.dtype) == 2 else 1
         pixels = _fitted_pixels(geo.out_size, pixels)
         bd, bh, bw = pixel_box(geo.out_size, pixels)
         stage = (pixels + bn) * bk * itemsize(p.dtype)

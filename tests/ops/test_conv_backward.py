@@ -27,6 +27,7 @@ CASES = [
     ((3, 8, 13), 8, (5,), (3,), ((2, 1),), (2,), 4),
     ((1, 4, 5, 6, 7), 6, (3, 2, 3), (2, 1, 2), ((1, 1), (0, 1), (1, 0)), (1, 1, 1), 1),
     ((2, 6, 9, 8), 6, (3, 3), (2, 1), ((1, 1), (1, 1)), (1, 2), 6),
+    ((2, 6, 8, 7), 6, (3, 3), (1, 1), ((1, 3), (3, 0)), (1, 2), 6),  # depthwise rows
     ((2, 3, 7, 7), 16, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
     ((2, 3, 15, 14), 8, (7, 7), (2, 2), ((3, 3), (3, 2)), (1, 1), 1),  # a ResNet stem
 ]
@@ -39,7 +40,7 @@ def _tensors(case, dtype=torch.float32, last=False):
     w = torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE, dtype=dtype) / 3
     y = conv_reference(x, w, None, stride, pads, dilation, groups)
     dy = torch.randn(y.shape, device=DEVICE, dtype=dtype)
-    return x, w, dy
+    return x, w, channels_last(dy) if last else dy
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-{c[0]}-s{c[3]}-g{c[6]}")

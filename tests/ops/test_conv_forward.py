@@ -137,11 +137,43 @@ def test_depthwise(mult, layout_name):
     _run_case(((2, 5, 11), 5 * mult, (3,), 1, 1, 1, 5), "depthwise", layout_name, torch.float16)
 
 
-def test_depthwise_chosen_by_heuristic():
-    x = torch.randn(2, 8, 6, 6, device=DEVICE)
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 6, 9, 8), 6, (3, 3), 1, 1, 1, 6),
+        ((2, 6, 9, 8), 6, (3, 2), (2, 1), ((1, 0), (2, 1)), (1, 2), 6),
+        ((1, 20, 7, 11), 20, (5, 5), (1, 2), ((3, 1), (0, 4)), 1, 20),
+        ((2, 5, 13), 5, (5,), 3, ((2, 1),), 2, 5),
+    ],
+    ids=str,
+)
+def test_depthwise_rows(case):
+    """The row-streaming engine: strides, dilations, asymmetric padding (wider than the taps reach
+    on one side), strips and H chunks that end inside the image, 1-D."""
+    _run_case(case, "depthwise_rows", "channels_last", torch.float32)
+    _run_case(case, "depthwise_rows", "channels_last", torch.float16)
+
+
+def test_depthwise_rows_epilogue():
+    x = torch.randn(2, 8, 7, 9, device=DEVICE).to(memory_format=torch.channels_last)
     w = torch.randn(8, 1, 3, 3, device=DEVICE)
-    chosen = [r.name for r in tdnn.engines("conv", x, w, None, 1, 1, 1, 8) if r.chosen]
-    assert chosen == ["depthwise"]
+    b = torch.randn(8, device=DEVICE)
+    r = torch.randn(2, 8, 7, 9, device=DEVICE).to(memory_format=torch.channels_last)
+    epi = Epilogue(activation="silu", residual=True)
+    y = conv.conv2d(x, w, b, padding=1, groups=8, algo="depthwise_rows", epilogue=epi, residual=r)
+    ref = F.silu(conv_reference(x, w, b, (1, 1), ((1, 1), (1, 1)), (1, 1), 8)) + r.double()
+    assert_close(y, ref)
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels_last"])
+def test_depthwise_chosen_by_heuristic(layout_name):
+    x = layout(torch.randn(2, 8, 6, 6, device=DEVICE), layout_name)
+    w = torch.randn(8, 1, 3, 3, device=DEVICE)
+    reports = {r.name: r for r in tdnn.engines("conv", x, w, None, 1, 1, 1, 8)}
+    chosen = [name for name, r in reports.items() if r.chosen]
+    assert chosen == ["depthwise_rows" if layout_name == "channels_last" else "depthwise"]
+    if layout_name == "contiguous":
+        assert "channels-last" in reports["depthwise_rows"].reasons[0]
 
 
 def _tolerance_check(y, ref, torch_out, factor, rel):

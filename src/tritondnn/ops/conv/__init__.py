@@ -15,10 +15,11 @@ the same bits on every run, with or without ``tdnn.config.deterministic``.
 
 Engines (``tdnn.engines("conv", x, w, ...)`` lists them with their reasons): ``implicit_gemm``,
 ``boxed_gemm`` (Hopper, channels-last: image tiles as tensor-descriptor boxes, the padding filled
-by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``winograd`` (F(2x2, 3x3)),
+by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``depthwise_rows`` (channels-last
+1-D/2-D, multiplier 1: image rows streamed with the taps unrolled), ``winograd`` (F(2x2, 3x3)),
 ``fft``, ``gemm_1x1`` (1x1 channels-last, one group, no padding: one ``tdnn.matmul`` product);
 the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
-``depthwise`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
+``depthwise``, ``depthwise_rows`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
 ``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
 by a constant), ``row_window`` (channels-last with few input channels, as a stem: a kernel row's
 taps and channels are one contiguous run of the image row), ``depthwise`` and ``gemm_1x1``.
@@ -224,7 +225,10 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
     mismatches, zero strides, kernels larger than the padded input.
     """
 
-_ENGINES = "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'winograd', 'fft', 'gemm_1x1'"
+_ENGINES = (
+    "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'depthwise_rows', 'winograd', 'fft', "
+    "'gemm_1x1'"
+)
 
 
 @autocast_policy(LOWER, LOWER)
@@ -383,8 +387,8 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
         input: (N, C_in, ...) or unbatched; weight: (C_in, C_out / groups, *kernel).
         stride, padding, output_padding, dilation: ints or {nd} ints; output_padding smaller than
             stride or dilation.
-        algo: 'implicit_gemm', 'boxed_gemm', 'depthwise' or 'gemm_1x1' (the data-gradient
-            engines), or None.
+        algo: 'implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows' or 'gemm_1x1' (the
+            data-gradient engines), or None.
         epilogue, c, residual: as ``conv{nd}d``.
 
     Returns (N, C_out, *out) with out = (in - 1) * stride - 2 * padding + dilation * (k - 1) +
@@ -523,7 +527,7 @@ def conv_backward_data(
     for the output gradient ``grad_output`` (N, C_out, *out). Padding as ``conv2d`` (pairs allowed).
     The result takes grad_output's layout (contiguous or channels-last). Stride > 1 runs as
     stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
-    ('implicit_gemm', 'boxed_gemm', 'depthwise', 'gemm_1x1'). Differentiable."""
+    ('implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows', 'gemm_1x1'). Differentiable."""
     op = "tdnn.conv_backward_data"
     check_tensor_pair(op, grad_output, "grad_output", weight, "weight")
     input_size = tuple(int(s) for s in input_size)

@@ -30,6 +30,7 @@ from .engines import (
     epilogue_constexprs,
     forward_geometry,
     roofline,
+    row_limit,
 )
 from .kernels import output_pixel
 from .problem import ConvProblem
@@ -160,6 +161,151 @@ def _depthwise_wgrad_kernel(
     )
 
 
+@triton.jit
+def _rows_store(
+    acc, oh, n, ow, ow_ok, cols, col_ok, C, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+    alpha, beta, p0, p1, o_n, o_h, o_w, s_bias, row_limit,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+):  # fmt: skip
+    """The epilogue and store of output row ``oh`` of a strip."""
+    out_rows = tl.where(ow_ok, n * o_n + oh * o_h + ow * o_w, row_limit)
+    y = apply_epilogue(
+        acc, out_rows, cols, row_limit, C, c_ptr, 1, 1, bias_ptr, s_bias, res_ptr, 1, 1, pre_ptr, 1, 1,
+        alpha, beta, p0, p1, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+    )  # fmt: skip
+    out_ptrs = out_ptr + out_rows[:, None] + cols[None, :]
+    tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=ow_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _tap_weight(
+    w_cols,
+    col_ok,
+    th,
+    tw,
+    w_h,
+    w_w,
+    ACC: tl.constexpr,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    FLIP: tl.constexpr,
+):
+    """Tap (th, tw)'s weights of the program's channels (the flipped tap for the data gradient)."""
+    if FLIP:
+        ptrs = w_cols + (KH - 1 - th) * w_h + (KW - 1 - tw) * w_w
+    else:
+        ptrs = w_cols + th * w_h + tw * w_w
+    return convert(tl.load(ptrs, mask=col_ok, other=0.0), ACC)
+
+
+@triton.jit
+def _depthwise_rows_kernel(
+    src_ptr, w_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+    alpha, beta, p0, p1,
+    C, OH, OW, IH, IW, rows_per_program, w_blocks, h_chunks,
+    s_n, s_h, s_w, w_c, w_h, w_w, o_n, o_h, o_w, s_bias,
+    st_h, st_w, pd_h, pd_w, dl_h, dl_w, row_limit,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, ACC: tl.constexpr, INDEX_64: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, FLIP: tl.constexpr, ROTATE: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Channels-last 2-D depthwise convolution (channel multiplier 1) streamed down image rows:
+    out[n, oh, ow, c] = sum over taps (th, tw) of src[n, oh * st_h - pd_h + th * dl_h,
+    ow * st_w - pd_w + tw * dl_w, c] * w[c, th, tw] (w[c, KH-1-th, KW-1-tw] with FLIP: the data
+    gradient). Channel strides are 1. A program owns one image's [BLOCK_W columns, BLOCK_C
+    channels] strip over ``rows_per_program`` output rows. Grid: (images * h_chunks * w_blocks,
+    channel tiles).
+
+    ROTATE (st_h == dl_h == 1): the strip walks input rows; each is loaded (as its KW column
+    shifts, the shifts after the first from L1) and converted once, and added into the KH output
+    rows it feeds, whose accumulators rotate: per output element KW loads and conversions instead
+    of KH * KW. Otherwise each output row loads its KH * KW taps (rows shared with the next output
+    row come from L1)."""
+    pid = tl.program_id(0)
+    wb = pid % w_blocks
+    rest = pid // w_blocks
+    hc = rest % h_chunks
+    n = rest // h_chunks
+    if INDEX_64:
+        n = n.to(tl.int64)
+    ow = wb * BLOCK_W + tl.arange(0, BLOCK_W)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ow_ok = ow < OW
+    col_ok = cols < C
+    src = src_ptr + n * s_n
+    w_cols = w_ptr + cols * w_c
+    oh_start = hc * rows_per_program
+    oh_end = tl.minimum(OH, oh_start + rows_per_program)
+    # Up to 3x3 taps the weights stay in registers over the rows (a tap's channels are a strided
+    # gather: the weight is (C, 1, KH, KW)); larger kernels reload them (L1 hits) each row.
+    HOIST: tl.constexpr = KH * KW <= 9
+    taps = ()
+    if HOIST:
+        for t in tl.static_range(KH * KW):
+            taps = taps + (_tap_weight(w_cols, col_ok, t // KW, t % KW, w_h, w_w, ACC, KH, KW, FLIP),)
+    if ROTATE:
+        # accs[j] holds output row ih + pd_h - (KH - 1) + j while input row ih is added.
+        accs = ()
+        for _ in tl.static_range(KH):
+            accs = accs + (tl.zeros((BLOCK_W, BLOCK_C), ACC),)
+        for ih in range(oh_start - pd_h, oh_end - pd_h + KH - 1):
+            row = src + ih * s_h
+            row_ok = (ih >= 0) & (ih < IH)
+            for tw in tl.static_range(KW):
+                iw = ow * st_w - pd_w + tw * dl_w
+                ok = ow_ok & (iw >= 0) & (iw < IW) & row_ok
+                a = tl.load(
+                    row + (iw * s_w)[:, None] + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+                )
+                a = convert(a, ACC)
+                fed = ()
+                for j in tl.static_range(KH):
+                    if HOIST:
+                        wv = taps[(KH - 1 - j) * KW + tw]
+                    else:
+                        wv = _tap_weight(w_cols, col_ok, KH - 1 - j, tw, w_h, w_w, ACC, KH, KW, FLIP)
+                    fed = fed + (accs[j] + a * wv[None, :],)
+                accs = fed
+            oh = ih + pd_h - (KH - 1)
+            if oh >= oh_start:
+                _rows_store(
+                    accs[0], oh, n, ow, ow_ok, cols, col_ok, C, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+                    alpha, beta, p0, p1, o_n, o_h, o_w, s_bias, row_limit,
+                    HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+                )  # fmt: skip
+            rotated = ()
+            for j in tl.static_range(1, KH):
+                rotated = rotated + (accs[j],)
+            accs = rotated + (tl.zeros((BLOCK_W, BLOCK_C), ACC),)
+    else:
+        for oh in range(oh_start, oh_end):
+            acc = tl.zeros((BLOCK_W, BLOCK_C), ACC)
+            for th in tl.static_range(KH):
+                ih = oh * st_h - pd_h + th * dl_h
+                row = src + ih * s_h
+                row_ok = (ih >= 0) & (ih < IH)
+                for tw in tl.static_range(KW):
+                    iw = ow * st_w - pd_w + tw * dl_w
+                    ok = ow_ok & (iw >= 0) & (iw < IW) & row_ok
+                    a = tl.load(
+                        row + (iw * s_w)[:, None] + cols[None, :],
+                        mask=ok[:, None] & col_ok[None, :],
+                        other=0.0,
+                    )
+                    if HOIST:
+                        wv = taps[th * KW + tw]
+                    else:
+                        wv = _tap_weight(w_cols, col_ok, th, tw, w_h, w_w, ACC, KH, KW, FLIP)
+                    acc += convert(a, ACC) * wv[None, :]
+            _rows_store(
+                acc, oh, n, ow, ow_ok, cols, col_ok, C, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+                alpha, beta, p0, p1, o_n, o_h, o_w, s_bias, row_limit,
+                HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+            )  # fmt: skip
+
+
 def _acc(p: ConvProblem):
     return tl.float64 if p.dtype == "float64" else tl.float32
 
@@ -203,6 +349,114 @@ def _bind(p: ConvProblem, launches: list[tuple[int, tuple]], c_out: int) -> Call
 
 def _memory_cost(p: ConvProblem) -> float:
     return roofline(p.flops, p.bytes, 40.0, 0.5, 0.75) + 3.0
+
+
+_ROWS_MAX_TAPS = 49  # the row kernel unrolls its taps: up to 7x7 (ConvNeXt's depthwise layers)
+
+
+def _rows_reasons(p: ConvProblem) -> list[str]:
+    reasons = _depthwise_reasons(p)
+    if not reasons and p.cout != p.cin:
+        reasons.append(f"needs a channel multiplier of 1 (got {p.cout // p.cin})")
+    if p.kernel[0] != 1 or p.in_size[0] != 1:
+        reasons.append("needs a 1-D or 2-D convolution")
+    if p.x_strides[1] != 1 or p.y_strides[1] != 1 or p.cin == 1:
+        reasons.append("needs channels-last input and output")
+    if p.kernel[1] * p.kernel[2] > _ROWS_MAX_TAPS:
+        reasons.append(f"needs at most {_ROWS_MAX_TAPS} taps (got {p.kernel[1] * p.kernel[2]})")
+    return reasons
+
+
+def _rows_configs(p: ConvProblem) -> list[LaunchConfig]:
+    """Strip tiles, the heuristic's pick first. PROGRAMS_PER_SM: the H chunking aims at this many
+    programs a multiprocessor (more chunks: more loads in flight, more halo rows read twice)."""
+    if INTERPRET:
+        return [{"BLOCK_W": 8, "BLOCK_C": 16, "num_warps": 4, "PROGRAMS_PER_SM": 4}]
+    shapes = [(32, 64, 4, 8), (64, 64, 8, 8), (16, 128, 4, 8), (32, 64, 4, 16), (32, 128, 8, 4)]
+    return [
+        {"BLOCK_W": bw, "BLOCK_C": bc, "num_warps": wp, "PROGRAMS_PER_SM": pps} for bw, bc, wp, pps in shapes
+    ]
+
+
+def _bind_rows(
+    p: ConvProblem,
+    config: LaunchConfig,
+    src: tuple[tuple[int, ...], tuple[int, ...]],
+    dst: tuple[tuple[int, ...], tuple[int, ...]],
+    stride: tuple[int, ...],
+    pad: tuple[int, ...],
+    flip: bool,
+) -> Callable[..., None]:
+    """src, dst: ((H, W), 5-D strides) of the tensor read and the tensor written."""
+    bw, bc = config["BLOCK_W"], config["BLOCK_C"]
+    (ih, iw), ss = src
+    (oh, ow), ds = dst
+    w_blocks, c_blocks = cdiv(ow, bw), cdiv(p.cin, bc)
+    base = p.n * w_blocks * c_blocks
+    rows = cdiv(oh, max(1, min(oh, cdiv(config["PROGRAMS_PER_SM"] * sm_count(), base))))
+    h_chunks = cdiv(oh, rows)
+    ints = (
+        p.cin, oh, ow, ih, iw, rows, w_blocks, h_chunks,
+        ss[0], ss[3], ss[4], p.w_strides[0], p.w_strides[3], p.w_strides[4], ds[0], ds[3], ds[4], 1,
+        *stride, *pad, *p.dilation[1:], row_limit(p),
+    )  # fmt: skip
+    rotate = stride[0] == 1 and p.dilation[1] == 1 and config.get("ROTATE", True)
+    consts = (*epilogue_constexprs(p), _acc(p), p.index_64, p.kernel[1], p.kernel[2], flip, rotate, bw, bc)
+    grid = (p.n * h_chunks * w_blocks, c_blocks)
+    return launcher(_depthwise_rows_kernel, grid, 7, ints, consts, num_warps=config["num_warps"])
+
+
+def _rows_cost(p: ConvProblem) -> float:
+    return roofline(p.flops, p.bytes, 40.0, 0.5, 0.85) + 3.0
+
+
+@FAMILY.register
+class DepthwiseRowsEngine(Engine[ConvProblem]):
+    """Channels-last 1-D/2-D depthwise (multiplier 1), streamed down image rows with unrolled taps."""
+
+    name = "depthwise_rows"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _rows_reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _rows_cost(problem)
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return _rows_configs(problem)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        src = (p.in_size[1:], p.x_strides)
+        dst = (p.out_size[1:], p.y_strides)
+        return _bind_rows(p, config, src, dst, p.stride[1:], p.pad[1:], False)
+
+
+@DGRAD_FAMILY.register
+class DepthwiseRowsDgradEngine(Engine[ConvProblem]):
+    """Depthwise data gradient of a stride-1 convolution: the row kernel over the output gradient
+    with the flipped taps."""
+
+    name = "depthwise_rows"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        reasons = _rows_reasons(problem)
+        if problem.stride != (1, 1, 1):
+            reasons.append(f"needs stride 1 (got {problem.stride[1:]})")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _rows_cost(problem)
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return _rows_configs(problem)
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        src = (p.out_size[1:], p.y_strides)
+        dst = (p.in_size[1:], p.x_strides)
+        pad = tuple(d * (k - 1) - q for d, k, q in zip(p.dilation[1:], p.kernel[1:], p.pad[1:]))
+        return _bind_rows(p, config, src, dst, (1, 1), pad, True)
 
 
 @FAMILY.register

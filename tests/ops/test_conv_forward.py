@@ -142,7 +142,7 @@ def test_depthwise(mult, layout_name):
     [
         ((2, 6, 9, 8), 6, (3, 3), 1, 1, 1, 6),
         ((2, 6, 9, 8), 6, (3, 2), (2, 1), ((1, 0), (2, 1)), (1, 2), 6),
-        ((1, 20, 7, 11), 20, (5, 5), (1, 2), ((3, 1), (0, 4)), 1, 20),
+        ((1, 20, 7, 11), 20, (3, 3), (1, 2), ((3, 1), (0, 4)), 1, 20),
         ((2, 5, 13), 5, (5,), 3, ((2, 1),), 2, 5),
     ],
     ids=str,
@@ -174,6 +174,10 @@ def test_depthwise_chosen_by_heuristic(layout_name):
     assert chosen == ["depthwise_rows" if layout_name == "channels_last" else "depthwise"]
     if layout_name == "contiguous":
         assert "channels-last" in reports["depthwise_rows"].reasons[0]
+    else:
+        w5 = torch.randn(8, 1, 5, 5, device=DEVICE)
+        reports = {r.name: r for r in tdnn.engines("conv", x, w5, None, 1, 2, 1, 8)}
+        assert "taps" in reports["depthwise_rows"].reasons[0] and reports["depthwise"].chosen
 
 
 def _tolerance_check(y, ref, torch_out, factor, rel):

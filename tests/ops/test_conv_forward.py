@@ -369,14 +369,16 @@ BOXED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout_name", ["channels_last", "contiguous"])
 @pytest.mark.parametrize("case", BOXED_CASES, ids=str)
-def test_boxed_gemm(case, poison):
+def test_boxed_gemm(case, layout_name, poison):
     """Image tiles are descriptor boxes with the padding loaded as zeros: 'same' and 'valid'
     padding, dilation, groups, stride 2 where every tap lands on the strided view, 1-D/2-D/3-D,
-    1x1, with the fused epilogue."""
+    1x1, with the fused epilogue. A contiguous (channels-first) input is copied channels-last
+    first, and the output written channels-first."""
     shape, cout, kernel, stride, padding, dilation, groups = case
     nd = len(shape) - 2
-    x = layout(torch.randn(shape, device=DEVICE), "channels_last").half()
+    x = layout(torch.randn(shape, device=DEVICE), layout_name).half()
     w = (torch.randn(cout, shape[1] // groups, *kernel, device=DEVICE) / 3).half()
     b = torch.randn(cout, device=DEVICE).half()
     pads, dl = pairs(padding, nd), (dilation,) * nd if isinstance(dilation, int) else dilation
@@ -384,7 +386,9 @@ def test_boxed_gemm(case, poison):
     r = layout(torch.randn(ref_pre.shape, device=DEVICE), "channels_last").half()
     epi = Epilogue(activation="relu", residual=True)
     y = FNS[nd](x, w, b, stride, padding, dilation, groups, algo="boxed_gemm", epilogue=epi, residual=r)
-    assert y.stride(1) == 1, "channels-last in, channels-last out"
+    assert (y.stride(1) == 1) == (layout_name == "channels_last") and y.movedim(1, -1).is_contiguous() == (
+        layout_name == "channels_last"
+    ), "the output keeps the input's layout"
     ref = F.relu(ref_pre) + r.double()
     torch_out = (F.relu(torch_conv(x, w, b, stride, padding, dl, groups).float()) + r.float()).half()
     assert_close(y, ref, torch_out, f"boxed_gemm {case}")
@@ -406,7 +410,7 @@ def test_boxed_gemm_not_supported_and_heuristic():
     with pytest.raises(tdnn.NotSupportedError, match="multiple of the stride"):
         conv.conv2d(x, w, stride=2, padding=1, algo="boxed_gemm")  # taps at offsets -1, 0, 1
     with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
-        conv.conv2d(x.contiguous(), w, algo="boxed_gemm")
+        conv.conv2d(layout(x, "strided"), w, algo="boxed_gemm")  # neither layout: not staged
     with pytest.raises(tdnn.NotSupportedError, match="fp16, bf16"):
         conv.conv2d(x.float(), w.float(), algo="boxed_gemm")
     x12 = layout(torch.randn(2, 12, 6, 7, device=DEVICE), "channels_last").half()
@@ -420,6 +424,12 @@ def test_boxed_gemm_not_supported_and_heuristic():
     for weights, padding in ((w[:, :, :1, :1], 0), (w, 1)):
         chosen = {r.name for r in tdnn.engines("conv", x, weights, None, 1, padding) if r.chosen}
         assert chosen == {"boxed_gemm"}
+    # Channels-first with several taps: staged channels-last beats the gathered GEMM; a 1x1 stride-1
+    # product keeps the gathered one (its A tiles are runs of pixels).
+    x = torch.empty(64, 64, 28, 28, device=DEVICE, dtype=torch.half)  # described, never run
+    for weights, padding, engine in ((w, 1, "boxed_gemm"), (w[:, :, :1, :1], 0, "implicit_gemm")):
+        chosen = {r.name for r in tdnn.engines("conv", x, weights, None, 1, padding) if r.chosen}
+        assert chosen == {engine}
 
 
 def test_descriptor_engines_fall_back_on_a_misaligned_base():

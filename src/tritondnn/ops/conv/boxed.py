@@ -32,6 +32,7 @@ from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
+from ...core.relayout import relayout
 from ..epilogue import apply_epilogue
 from ..matmul.kernels import dot, grouped
 from .engines import (
@@ -165,6 +166,11 @@ class _Geometry:
         self.src_size = p.in_size if fwd else p.out_size
         self.out_size = p.out_size if fwd else p.in_size
         self.src_strides = p.x_strides if fwd else p.y_strides
+        # A dense channels-first 16-bit forward source (NCL, NCHW, NCDHW) is copied channels-last
+        # per call (``staged``): the boxes need the channels innermost.
+        self.staged = fwd and p.dtype in ("float16", "bfloat16") and p.cin > 1 and _dense(p)
+        if self.staged:
+            self.src_strides = _channels_last_strides(p.cin, p.in_size)
         self.out_strides = p.y_strides if fwd else p.x_strides
         self.cols = p.cout_g if fwd else p.cin_g  # output columns per group
         self.ck = p.cin_g if fwd else p.cout_g  # reduction channels per group
@@ -184,6 +190,21 @@ class _Geometry:
             self.weights = (p.cout, p.taps * p.cin_g, p.w_strides[0])
         else:
             self.weights = (p.cout if fwd else p.cin, k, cdiv(k, pad_to) * pad_to)
+
+
+def _dense(p: ConvProblem) -> bool:
+    """Whether x is a dense channels-first tensor (strides of size-1 dimensions aside)."""
+    step = 1
+    for size, st in reversed(list(zip((p.n, p.cin, *p.in_size), p.x_strides))):
+        if size > 1 and st != step:
+            return False
+        step *= size
+    return True
+
+
+def _channels_last_strides(c: int, size: Triple) -> Strides5:
+    d, h, w = size
+    return (d * h * w * c, 1, h * w * c, w * c, c)
 
 
 def _weights_in_place(p: ConvProblem) -> bool:
@@ -412,6 +433,18 @@ def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -
         num_stages=config["num_stages"],
     )
     pack = _pack_weights(p, geo)
+    if geo.staged:  # the source (n, c, D * H, W), dense either way
+        d, h, w_ = p.in_size
+        stage = relayout(
+            p.n,
+            p.cin,
+            d * h,
+            w_,
+            (p.cin * d * h * w_, d * h * w_, w_, 1),
+            geo.src_strides[:2] + geo.src_strides[3:],
+        )
+        numel = p.n * p.cin * d * h * w_
+        dtype = getattr(torch, p.dtype)
 
     def run(src: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *rest: Any) -> None:
         wm = pack(w)
@@ -419,6 +452,10 @@ def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -
         if (src.data_ptr() | wm.data_ptr()) & 15:
             fallback(src, w, out, *rest)
             return
+        if geo.staged:
+            staged = torch.empty(numel, dtype=dtype, device=src.device)
+            stage(src, staged)
+            src = staged
         ensure_allocator()
         launch(src, wm, out, *rest)
 
@@ -433,7 +470,10 @@ def _cost(p: ConvProblem) -> float:
     use = box_use(geo.out_size, pixel_box(geo.out_size, _fitted_pixels(geo.out_size, 128)))
     # On an H100 (bf16, ResNet-50's layers) 1.2-1.8x the gathered implicit GEMM's speed, wasted
     # positions included; that engine's cost counts 0.75 of the peak.
-    return roofline(p.flops, p.bytes, peak(p), min(1.0, 1.1 * col_eff * k_eff * use), 0.75) + 4.0
+    cost = roofline(p.flops, p.bytes, peak(p), min(1.0, 1.1 * col_eff * k_eff * use), 0.75) + 4.0
+    if geo.staged:  # the channels-last copy of x: read and written once more
+        cost += roofline(0, 2 * p.in_pixels * p.cin * itemsize(p.dtype), 1.0, 1.0, 0.75) + 4.0
+    return cost
 
 
 @FAMILY.register

@@ -36,12 +36,12 @@ from ...core.checks import check_choice, check_tensor
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, launcher
+from ...core.relayout import relayout
 from .kernels import (
     _affine_grid_backward_kernel,
     _affine_grid_kernel,
     _grid_sample_dx_serial_kernel,
     _grid_sample_kernel,
-    _relayout_kernel,
 )
 
 PADDING = ("zeros", "border")
@@ -234,17 +234,8 @@ def _tiles(problem: GridSampleProblem, channels_inner: bool) -> list[LaunchConfi
 
 
 def _relayout(problem: GridSampleProblem, src: tuple[int, ...], dst: tuple[int, ...]) -> Callable[..., None]:
-    """``_relayout_kernel`` for the problem's input shape, called with (src, dst)."""
-    bc = min(64, triton.next_power_of_2(problem.C))
-    bs = min(triton.next_power_of_2(problem.H * problem.W), 4096 // bc)
-    programs = cdiv(problem.H * problem.W, bs) * cdiv(problem.C, bc) * problem.N
-    return launcher(
-        _relayout_kernel,
-        (programs,),
-        num_tensors=2,
-        ints=(problem.C, problem.H, problem.W, *src, *dst),
-        constexprs=(bc, bs),
-    )
+    """The relayout copy of the problem's input shape, called with (src, dst)."""
+    return relayout(problem.N, problem.C, problem.H, problem.W, src, dst)
 
 
 def _input_grad(

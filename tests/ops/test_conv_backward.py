@@ -246,31 +246,39 @@ def test_shifted_wgrad_takes_back_wrapped_pixels(case, multiprocessors, monkeypa
         ((1, 32, 6, 5), 32, (3, 3), (1, 1), ((2, 2), (1, 1)), (2, 1), 2),
         ((2, 16, 5, 6), 8, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
         ((1, 16, 4, 5, 6), 16, (3, 3, 3), (1, 1, 1), ((1, 1),) * 3, (1, 1, 1), 1),
+        ((1, 128, 3, 8), 16, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),
     ],
     ids=str,
 )
-def test_boxed_dgrad_shifted_wgrad(case, poison):
-    """Gradients of a stride-1 convolution on Hopper's engines (channels-last, fp16): dx as the
-    boxed GEMM of dy with the flipped weights (in place when channels-last, else packed; 'same'
-    and 'valid' padding), dw per tap from dy and x's shifted rows, split over pixels."""
-    _, _, kernel, stride, pads, dilation, groups = case
-    x, w, dy = _tensors(case, torch.float16, last=True)
-    dy = channels_last(dy)
+@pytest.mark.parametrize("last", [True, False], ids=["channels_last", "contiguous"])
+def test_boxed_dgrad_shifted_wgrad(case, last, poison):
+    """Gradients of a stride-1 convolution on Hopper's engines (fp16): dx as the boxed GEMM of dy
+    with the flipped weights (in place when channels-last, else packed; 'same' and 'valid'
+    padding), dw per tap from dy and x's shifted rows, split over pixels. Contiguous x and dy are
+    copied channels-last first (dy for dx only with 128 or more input channels); dx keeps dy's
+    layout."""
+    shape, _, kernel, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case, torch.float16, last=last)
+    dgrad = last or shape[1] // groups >= 128
     rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
     torch_dx = torch.ops.aten.convolution_backward(
         dy.float(), x.float(), w.float(), None, stride, [p[0] for p in pads], dilation, False,
         [0] * len(stride), groups, [True, False, False],
     )[0].half()  # fmt: skip
-    for weights in (w, channels_last(w)):
+    for weights in (w, channels_last(w)) if dgrad else ():
         dx = conv.conv_backward_data(dy, weights, x.shape, stride, pads, dilation, groups, algo="boxed_gemm")
-        assert dx.stride(1) == 1
+        assert dx.stride(1) == 1 if last else dx.is_contiguous()
         assert_close(dx, rx, torch_dx, f"boxed dgrad {case}")
     dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo="shifted_gemm")
     assert_close(dw, rw, what=f"shifted wgrad {case}")
-    if max(kernel) == 1:
+    if not dgrad:
+        with pytest.raises(tdnn.NotSupportedError, match="channels"):
+            conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo="boxed_gemm")
+    if max(kernel) == 1 or not dgrad:
         return
     valid = ((0, 0),) * len(stride)
-    dy_valid = channels_last(conv_reference(x, w, None, stride, valid, dilation, groups).half())
+    dy_valid = conv_reference(x, w, None, stride, valid, dilation, groups).half()
+    dy_valid = channels_last(dy_valid) if last else dy_valid.contiguous()
     rx, _ = conv_backward_reference(x, w, dy_valid, stride, valid, dilation, groups)
     dx = conv.conv_backward_data(dy_valid, w, x.shape, stride, valid, dilation, groups, algo="boxed_gemm")
     assert_close(dx, rx, what=f"boxed dgrad, valid padding {case}")

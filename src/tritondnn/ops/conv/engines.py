@@ -288,13 +288,14 @@ def _igemm_cost(p: ConvProblem, config: LaunchConfig, cols: int, ck: int, gather
 
 
 def _channels_first_gather_eff(p: ConvProblem) -> float:
-    """The forward's A tiles gathered from a 16-bit channels-first source, per tap shifted and
-    masked or strided: H100, bf16 N=64, ResNet-50's 3x3 layers and the 1x1 stride-2 one in NCHW
-    ran at 107-146 TFLOP/s, 0.24-0.32 of the 450 the cost assumes (conv1d k5 NCL 210); single-tap
-    stride-1 ones keep their rate (1x1 conv1d NCL 308)."""
-    if p.channels_last or p.dtype not in ("float16", "bfloat16") or (p.taps == 1 and p.stride == (1, 1, 1)):
+    """A tiles gathered from a 16-bit channels-first source (x forward, dy for the data
+    gradient), per tap shifted and masked or strided: H100, bf16 N=64, ResNet-50's 3x3 layers and
+    the 1x1 stride-2 one in NCHW ran forward at 107-146 TFLOP/s, 0.24-0.32 of the 450 the cost
+    assumes (conv1d k5 NCL 210); single-tap stride-1 ones keep their rate (1x1 conv1d NCL 308)."""
+    src_channel_step = p.x_strides[1] if p.direction == "fwd" else p.y_strides[1]
+    if src_channel_step == 1 or p.dtype not in ("float16", "bfloat16"):
         return 1.0
-    return 0.35
+    return 1.0 if p.taps == 1 and p.stride == (1, 1, 1) else 0.35
 
 
 def channels_last_weights(
@@ -364,7 +365,9 @@ class ImplicitGemmDgradEngine(Engine[ConvProblem]):
             # channels, 7x7 stride 2, N64 bf16) took 2.4 ms on an H100, 6.3 TFLOP/s. (Grouped
             # problems keep the model: their other engines were not measured against it.)
             return problem.flops / (6.3e6 * problem.cin_g / 3) + 3.0 * phases
-        return _igemm_cost(problem, self.configs(problem)[0], problem.cin_g, problem.cout_g) + 3.0 * phases
+        p = problem
+        gather_eff = _channels_first_gather_eff(p)
+        return _igemm_cost(p, self.configs(p)[0], p.cin_g, p.cout_g, gather_eff) + 3.0 * phases
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return tile_configs(problem, problem.cin_g)
@@ -420,6 +423,10 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
         # Channels-last x is gathered in runs of Cin_g elements per (pixel, tap): runs shorter than
         # a 32-byte sector waste its rest (the 3-channel stem ran at 6 TFLOP/s on an H100).
         run = min(1.0, p.cin_g * itemsize(p.dtype) / 32) if p.channels_last else 1.0
+        # 16-bit channels-first operands are gathered element by element: H100, bf16, 3x3 64 @56
+        # N=64 NCHW 1458 us (10 TFLOP/s), 3x3 256 @14 676 us, conv1d k5 512 L4096 NCL 1580 us.
+        if p.dtype in ("float16", "bfloat16") and not p.channels_last:
+            run *= 0.1
         return roofline(p.flops, p.bytes, peak(p), 0.6 * run, 0.6) + 8.0
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:

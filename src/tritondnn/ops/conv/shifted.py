@@ -31,8 +31,9 @@ from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
+from ...core.relayout import relayout
 from ..matmul.kernels import dot
-from .boxed import descriptor_reasons
+from .boxed import dense_channels_first, descriptor_reasons
 from .engines import (
     WGRAD_FAMILY,
     ImplicitGemmWgradEngine,
@@ -246,6 +247,46 @@ def _aligned(n: int) -> bool:
     return n % 16 == 0
 
 
+def _operands(p: ConvProblem) -> list[tuple[str, int, tuple[int, ...], bool]]:
+    """(name, channels, strides, staged) of x and dy. A dense channels-first 16-bit operand (NCL,
+    NCHW, NCDHW) is ``staged``: copied channels-last per call, then read as that matrix."""
+    operands = []
+    for name, channels, strides in (("x", p.cin, p.x_strides), ("dy", p.cout, p.y_strides)):
+        staged = (
+            p.dtype in ("float16", "bfloat16")
+            and channels > 1
+            and strides[1] != 1
+            and dense_channels_first((p.n, channels, *p.in_size), strides)
+        )
+        operands.append((name, channels, strides, staged))
+    return operands
+
+
+def _row(p: ConvProblem, channels: int, strides: tuple[int, ...], staged: bool) -> int | None:
+    return channels if staged else rows_stride((p.n, channels, *p.in_size), strides)
+
+
+def _stager(p: ConvProblem, channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A dense channels-first (n, channels, *in_size) tensor -> its channels-last copy (flat)."""
+    d, h, w = p.in_size
+    copy = relayout(
+        p.n,
+        channels,
+        d * h,
+        w,
+        (channels * d * h * w, d * h * w, w, 1),
+        (d * h * w * channels, 1, w * channels, channels),
+    )
+    numel = p.n * channels * d * h * w
+
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=t.dtype, device=t.device)
+        copy(t, buf)
+        return buf
+
+    return stage
+
+
 def wgrad_reasons(p: ConvProblem) -> list[str]:
     reasons = descriptor_reasons(p)
     if p.stride != (1, 1, 1):
@@ -253,8 +294,8 @@ def wgrad_reasons(p: ConvProblem) -> list[str]:
     if p.out_size != p.in_size:
         reasons.append(f"needs the output grid to equal the input's ({p.out_size} vs {p.in_size})")
     size = itemsize(p.dtype)
-    for name, channels, strides in (("x", p.cin, p.x_strides), ("dy", p.cout, p.y_strides)):
-        row = rows_stride((p.n, channels, *p.in_size), strides)
+    for name, channels, strides, staged in _operands(p):
+        row = _row(p, channels, strides, staged)
         if row is None:
             reasons.append(f"{name} needs a dense channels-last layout (NHWC, NDHWC, NLC)")
         elif not _aligned(row * size):
@@ -300,7 +341,12 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         # conv3d by 42%); taking wrapped pixels back instead made the 3x3 layers 1.2-1.6x faster
         # again (84-110 us against cuDNN's 33-55), 1x1 is at 0.9-1.0x cuDNN.
         wraps = p.taps > 1 or any(p.pad)  # the take-back loop runs
-        return roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) + 8.0
+        cost = roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) + 8.0
+        for _, channels, _, staged in _operands(p):
+            if staged:  # its channels-last copy: read and written once more
+                nbytes = 2 * p.n * math.prod(p.in_size) * channels * itemsize(p.dtype)
+                cost += roofline(0, nbytes, 1.0, 1.0, 0.75) + 4.0
+        return cost
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return _wgrad_configs(problem)
@@ -314,15 +360,15 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         split = max(1, min(cdiv(2 * sm_count(), tiles * p.groups), cdiv(pixels, 4 * bk), 1024))
         chunk = cdiv(cdiv(pixels, split), bk) * bk
         split = cdiv(pixels, chunk)
-        shape_x = (p.n, p.cin, *p.in_size)
+        (_, _, x_strides, stage_x), (_, _, y_strides, stage_dy) = _operands(p)
         head = (
             pixels,
             p.cin_g,
             p.cout_g,
             p.cin,
             p.cout,
-            rows_stride(shape_x, p.x_strides),
-            rows_stride((p.n, p.cout, *p.in_size), p.y_strides),
+            _row(p, p.cin, x_strides, stage_x),
+            _row(p, p.cout, y_strides, stage_dy),
             chunk,
             *p.in_size,
             *p.kernel,
@@ -341,17 +387,23 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         fallback = ImplicitGemmWgradEngine()
         slow = fallback.bind(p, fallback.configs(p)[0])
 
-        def aligned(x: torch.Tensor, dy: torch.Tensor) -> bool:
-            # Descriptors need 16-byte-aligned base addresses, which only the call knows.
-            return not (x.data_ptr() | dy.data_ptr()) & 15
+        stagers = (_stager(p, p.cin) if stage_x else None, _stager(p, p.cout) if stage_dy else None)
+
+        def operands(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+            """x and dy as the kernel reads them (staged ones copied), or None when a base address
+            is off 16 bytes (descriptors need aligned ones, which only the call knows)."""
+            if (x.data_ptr() | dy.data_ptr()) & 15:
+                return None
+            ensure_allocator()
+            return tuple(t if stage is None else stage(t) for t, stage in zip((x, dy), stagers))  # type: ignore[return-value]
 
         if split == 1:
 
             def run_direct(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-                if not aligned(x, dy):
+                read = operands(x, dy)
+                if read is None:
                     return slow(x, dy, dw)
-                ensure_allocator()
-                launch(x, dy, dw)
+                launch(*read, dw)
 
             return run_direct
         partial = launcher(_shifted_wgrad_kernel, grid, 3, (*head, numel, *direct[1:]), consts, **opts)
@@ -359,11 +411,11 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            if not aligned(x, dy):
+            read = operands(x, dy)
+            if read is None:
                 return slow(x, dy, dw)
-            ensure_allocator()
             ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
-            partial(x, dy, ws)
+            partial(*read, ws)
             reduce(ws, dw)
 
         return run

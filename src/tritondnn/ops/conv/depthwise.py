@@ -346,10 +346,15 @@ def _memory_cost(p: ConvProblem) -> float:
 _ROWS_MAX_TAPS = 9
 
 
-def _rows_reasons(p: ConvProblem) -> list[str]:
+def _unit_multiplier_reasons(p: ConvProblem) -> list[str]:
     reasons = _depthwise_reasons(p)
     if not reasons and p.cout != p.cin:
         reasons.append(f"needs a channel multiplier of 1 (got {p.cout // p.cin})")
+    return reasons
+
+
+def _rows_reasons(p: ConvProblem) -> list[str]:
+    reasons = _unit_multiplier_reasons(p)
     if p.kernel[0] != 1 or p.in_size[0] != 1:
         reasons.append("needs a 1-D or 2-D convolution")
     if p.x_strides[1] != 1 or p.y_strides[1] != 1 or p.cin == 1:
@@ -453,23 +458,15 @@ class DepthwiseRowsEngine(Engine[ConvProblem]):
 
 
 @DGRAD_FAMILY.register
-class DepthwiseRowsDgradEngine(Engine[ConvProblem]):
+class DepthwiseRowsDgradEngine(DepthwiseRowsEngine):
     """Depthwise data gradient of a stride-1 convolution: the row kernel over the output gradient
     with the flipped taps."""
-
-    name = "depthwise_rows"
 
     def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
         reasons = _rows_reasons(problem)
         if problem.stride != (1, 1, 1):
             reasons.append(f"needs stride 1 (got {problem.stride[1:]})")
         return reasons
-
-    def cost(self, problem: ConvProblem) -> float:
-        return _rows_cost(problem)
-
-    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        return _rows_configs(problem)
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
@@ -504,10 +501,7 @@ class DepthwiseDgradEngine(Engine[ConvProblem]):
     name = "depthwise"
 
     def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
-        reasons = _depthwise_reasons(problem)
-        if not reasons and problem.cout != problem.cin:
-            reasons.append(f"needs a channel multiplier of 1 (got {problem.cout // problem.cin})")
-        return reasons
+        return _unit_multiplier_reasons(problem)
 
     def cost(self, problem: ConvProblem) -> float:
         return _memory_cost(problem)

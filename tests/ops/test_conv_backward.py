@@ -11,6 +11,7 @@ import tritondnn as tdnn
 from helpers import DEVICE, assert_close
 from tritondnn.ops import conv
 from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
+from tritondnn.ops.conv.problem import channels_last as is_channels_last
 from tritondnn.ops.epilogue import Epilogue
 
 FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
@@ -31,6 +32,16 @@ CASES = [
     ((2, 3, 7, 7), 16, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
     ((2, 3, 15, 14), 8, (7, 7), (2, 2), ((3, 3), (3, 2)), (1, 1), 1),  # a ResNet stem
 ]
+
+
+def _in_layout_of(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``w`` channels-last where ``x`` is, else contiguous."""
+    return channels_last(w) if is_channels_last(x) else w.contiguous()
+
+
+def _steps(t: torch.Tensor) -> list[int]:
+    """The strides that place elements (those of dimensions longer than 1)."""
+    return [s for s, n in zip(t.stride(), t.shape) if n > 1]
 
 
 def _tensors(case, dtype=torch.float32, last=False):
@@ -64,6 +75,7 @@ def test_dgrad_wgrad_engines(case, last, poison):
     for engine in sorted({"implicit_gemm", *(r.name for r in reports if r.supported)}):
         dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo=engine)
         assert_close(dw, rw, what=f"wgrad {engine}")
+        assert _steps(dw) == _steps(_in_layout_of(w, x))  # x's layout, as PyTorch's
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=str)
@@ -76,6 +88,15 @@ def test_fp16_gradients(case):
     dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups)
     assert_close(dx, rx, tx.half(), "dgrad fp16")
     assert_close(dw, rw, tw.half(), "wgrad fp16")
+
+
+@pytest.mark.gpu_only("a grid's limits exist on a GPU only (and 65536 interpreted programs are slow)")
+def test_im2col_dgrad_many_channels():
+    """The fold's programs per (sample, channel) pass the 65535 a grid's second dimension takes
+    (ResNet-50's 1x1 stride-2 1024->2048 at N=64 failed to launch)."""
+    x, w, dy = _tensors(((2, 32800, 2, 3), 4, (1, 1), (2, 2), ((0, 0), (0, 0)), (1, 1), 1))
+    rx, _ = conv_backward_reference(x, w, dy, (2, 2), ((0, 0), (0, 0)), (1, 1), 1)
+    assert_close(conv.conv_backward_data(dy, w, x.shape, 2, 0, algo="im2col_gemm"), rx, what="im2col dgrad")
 
 
 @pytest.mark.gpu_only("Triton's interpreter computes bf16 tl.dot wrongly")
@@ -234,7 +255,7 @@ def test_shifted_wgrad_takes_back_wrapped_pixels(case, multiprocessors, monkeypa
     problem = describe_wgrad(x, dy, w.shape, 1, pads, dilation, groups)
     engine = shifted.ShiftedGemmWgradEngine()
     assert not engine.not_supported_reasons(problem)
-    dw = torch.full(w.shape, float("nan"), device=DEVICE, dtype=torch.float16)
+    dw = _in_layout_of(torch.full(w.shape, float("nan"), device=DEVICE, dtype=torch.float16), x)
     engine.bind(problem, engine.configs(problem)[0])(x, dy, dw)
     assert_close(dw, rw, what=f"shifted wgrad {case}, {multiprocessors} multiprocessors")
 

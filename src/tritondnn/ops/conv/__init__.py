@@ -605,7 +605,8 @@ def conv_backward_weight(
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
     ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'row_window', 'depthwise',
-    'gemm_1x1'). Returns a contiguous tensor in the input's dtype."""
+    'gemm_1x1'). Returns a tensor in the input's dtype and layout (channels-last for a
+    channels-last input, as PyTorch's; contiguous otherwise)."""
     op = "tdnn.conv_backward_weight"
     check_tensor_pair(op, input, "input", grad_output, "grad_output")
     weight_size = tuple(int(s) for s in weight_size)
@@ -717,7 +718,7 @@ def describe_wgrad(input, grad_output, weight_size, stride=1, padding=0, dilatio
     stride_ = int_tuple("tdnn.conv_backward_weight", "stride", stride, nd, 1)
     dilation_ = int_tuple("tdnn.conv_backward_weight", "dilation", dilation, nd, 1)
     pads = padding_pairs("tdnn.conv_backward_weight", padding, nd, weight_size[2:], stride_, dilation_)
-    dw = torch.empty(tuple(weight_size), device="meta")
+    dw = empty_conv_tensor(tuple(weight_size), input.dtype, torch.device("meta"), channels_last(input))
     return make_problem(
         "wgrad",
         (input.shape, strides5(input)),

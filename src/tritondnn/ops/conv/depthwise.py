@@ -31,6 +31,7 @@ from .engines import (
     forward_geometry,
     roofline,
     row_limit,
+    wgrad_out_steps,
 )
 from .kernels import output_pixel
 from .problem import ConvProblem
@@ -553,10 +554,11 @@ class DepthwiseWgradEngine(Engine[ConvProblem]):
         geometry = (*p.stride, *p.pad, *p.dilation)
         consts = (_acc(p), p.index_64, bk, bc)
         grid = (cdiv(p.cout, bc), taps, split)
-        direct = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, 0, taps, 1, *geometry), consts)
+        _, o_m, _, o_t = wgrad_out_steps(p)
+        direct = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, 0, o_m, o_t, *geometry), consts)
         if split == 1:
             return lambda x, dy, dw: direct(dy, x, dw)
-        partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, taps, 1, *geometry), consts)
+        partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, o_m, o_t, *geometry), consts)
         reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
         ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
 

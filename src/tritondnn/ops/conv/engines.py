@@ -186,6 +186,25 @@ def _phases_1d(size: int, out: int, k: int, s: int, pad: int, d: int) -> list[tu
     return phases
 
 
+def _tapless_cost(p: ConvProblem) -> float:
+    """Microseconds of the data gradient's phases that no tap reaches (a kernel narrower than its
+    stride, as 1x1 stride 2): launches of their own that write zeros. H100, bf16, N=64, ResNet-50's
+    1x1 stride-2 layers: 18-21 us above the rest of the model, where the GEMM with a scatter
+    (``gemm_1x1``) ran 53-94 us against 64-111."""
+    dims = [
+        _phases_1d(p.in_size[i], p.out_size[i], p.kernel[i], p.stride[i], p.pad[i], p.dilation[i])
+        for i in range(3)
+    ]
+    cost = 0.0
+    for pd in dims[0]:
+        for ph in dims[1]:
+            for pw in dims[2]:
+                pixels = p.n * pd[0] * ph[0] * pw[0]
+                if pixels and not (pd[1] and ph[1] and pw[1]):
+                    cost += pixels * p.cin * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.5) + 5.0
+    return cost
+
+
 def dgrad_phases(p: ConvProblem) -> list[tuple[int, tuple[int, ...]]]:
     """(rows, the kernel's ints) of each launch of the data gradient; phases without rows are left out."""
     dims = [
@@ -367,7 +386,8 @@ class ImplicitGemmDgradEngine(Engine[ConvProblem]):
             return problem.flops / (6.3e6 * problem.cin_g / 3) + 3.0 * phases
         p = problem
         gather_eff = _channels_first_gather_eff(p)
-        return _igemm_cost(p, self.configs(p)[0], p.cin_g, p.cout_g, gather_eff) + 3.0 * phases
+        cost = _igemm_cost(p, self.configs(p)[0], p.cin_g, p.cout_g, gather_eff) + 3.0 * phases
+        return cost + _tapless_cost(p)
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return tile_configs(problem, problem.cin_g)
@@ -393,6 +413,25 @@ def wgrad_split(p: ConvProblem, config: LaunchConfig) -> tuple[int, int]:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tiles = cdiv(p.cout_g, bm) * cdiv(p.cin_g * p.taps, bn) * p.groups
     return split_pixels(p.out_pixels, tiles, bk)
+
+
+def wgrad_out_steps(p: ConvProblem) -> tuple[int, int, int, int]:
+    """(group, output channel, input channel, tap) steps of the weight gradient dw in memory, tap
+    ``t = (kd * KH + kh) * KW + kw``. The plans lay dw out contiguous (taps innermost) or
+    channels-last (input channels innermost, as PyTorch returns it for channels-last inputs); in
+    both the kernel dimensions nest, so one step walks the taps. Split workspaces take the same
+    order, so that their sum is elementwise."""
+    s_co, s_c, *s_k = p.w_strides
+    tap = None
+    for size, stride in zip(reversed(p.kernel), reversed(s_k)):
+        if size == 1:
+            continue
+        if tap is None:
+            tap, expected = stride, stride
+        if stride != expected:
+            raise ValueError(f"weight gradient strides {p.w_strides}: the kernel dimensions do not nest")
+        expected *= size
+    return p.cout_g * s_co, s_co, s_c, 1 if tap is None else tap
 
 
 def summed_splits(p: ConvProblem, split: int, partial: Callable[..., None]) -> Callable[..., None]:
@@ -458,8 +497,7 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
         geometry = (*p.stride, *p.pad, *p.dilation)
         consts = (*dot_constexprs(p), p.index_64, p.channels_last, bm, bn, bk, config["GROUP_M"])
         opts = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-        # dw contiguous (Cout, Cin_g, taps): group step Cout_g * ncols, row ncols, channel taps.
-        direct = (0, p.cout_g * ncols, ncols, taps, 1)
+        direct = (0, *wgrad_out_steps(p))
         launch = launcher(_wgrad_kernel, grid, 3, (*head, *direct, *geometry), consts, **opts)
         if split == 1:
             return lambda x, dy, dw: launch(dy, x, dw)
@@ -602,7 +640,7 @@ class Im2colGemmDgradEngine(Engine[ConvProblem]):
         block = 1024
         fold = launcher(
             _col2im_kernel,
-            (cdiv(h * w_in, block), p.n * p.cin),
+            (p.n * p.cin, cdiv(h * w_in, block)),
             num_tensors=2,
             ints=(p.cin, h, w_in, oh, ow, p.x_strides[0], p.x_strides[1], p.x_strides[3], p.x_strides[4],
                   *p.stride[1:], *p.pad[1:], *p.dilation[1:]),

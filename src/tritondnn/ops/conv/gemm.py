@@ -100,13 +100,14 @@ def _matmul(p: ConvProblem) -> tuple[mm.Layout, Choice]:
 
 def _copy_cost(p: ConvProblem) -> float:
     """Microseconds to copy the sampled pixels of a strided x into a dense matrix, or for a strided
-    data gradient to write dx from the product's rows (zeros between the samples)."""
+    data gradient to write dx from the product's rows (zeros between the samples; H100: 25.7 MB
+    of dx zeroed in 9 us, 0.95 of the 3 TB/s)."""
     if p.stride == (1, 1, 1):
         return 0.0
-    moved = 2 * p.out_pixels * p.cin
     if p.direction == "dgrad":
-        moved += p.n * math.prod(p.in_size) * p.cin
-    return moved * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.6) + 5.0
+        moved = p.out_pixels * p.cin + p.n * math.prod(p.in_size) * p.cin
+        return moved * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.85) + 3.0
+    return 2 * p.out_pixels * p.cin * itemsize(p.dtype) / (_BANDWIDTH * 1e6 * 0.6) + 5.0
 
 
 def _cost(p: ConvProblem) -> float:

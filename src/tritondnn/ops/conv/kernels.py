@@ -298,12 +298,12 @@ def _col2im_kernel(
 ):  # fmt: skip
     """dx = the fold of the columns' gradient ``cols`` [N, C * KH * KW, OH * OW] (fp32 or fp64):
     each input pixel sums the column entries of the taps that read it (a gather: no atomics, each
-    entry read once). Grid: (pixel blocks, N * C); dx (N, C, H, W) through its strides, in its
-    dtype."""
-    nc = tl.program_id(1)
+    entry read once). Grid: (N * C, pixel blocks) (N * C may pass the 65535 programs a grid's
+    second dimension takes); dx (N, C, H, W) through its strides, in its dtype."""
+    nc = tl.program_id(0)
     n = nc // C
     c = nc % C
-    pixels = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pixels = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = pixels < H * W
     h = pixels // W
     w = pixels % W

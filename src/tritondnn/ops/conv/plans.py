@@ -249,8 +249,16 @@ def dgrad_plan(
     return run
 
 
+def empty_weight_grad(x: torch.Tensor, weight_size: Sequence[int]) -> torch.Tensor:
+    """An uninitialized weight gradient in x's dtype and layout: channels-last for a channels-last
+    x (as PyTorch returns it; the kernels then store input channels innermost, in whole sectors,
+    where contiguous taps innermost scatter them: ResNet-50's 3x3 layers' shifted weight gradient
+    ran 1.2-1.4x faster on an H100), contiguous otherwise."""
+    return empty_conv_tensor(weight_size, x.dtype, x.device, channels_last(x))
+
+
 def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
-    """``run(x, dy) -> dw`` (contiguous, x's dtype)."""
+    """``run(x, dy) -> dw`` (x's dtype and layout, ``empty_weight_grad``)."""
     key = (
         "wgrad",
         config.version,
@@ -266,7 +274,7 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
     run = _plans.get(key)
     if run is None:
         shape = tuple(weight_size)
-        dw = torch.empty(shape, dtype=x.dtype, device=x.device)
+        dw = empty_weight_grad(x, shape)
         problem = make_problem(
             "wgrad",
             (x.shape, strides5(x)),
@@ -284,15 +292,15 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
             choice = WGRAD_FAMILY.choose(
                 problem,
                 algo,
-                lambda: (x, dy, torch.empty(shape, dtype=x.dtype, device=x.device)),
+                lambda: (x, dy, empty_weight_grad(x, shape)),
                 "tdnn.conv_wgrad",
             )
             launch = choice.engine.bind(problem, choice.config)
 
         def run(x, dy):
+            dw = empty_weight_grad(x, shape)
             if launch is None:
-                return torch.zeros(shape, dtype=x.dtype, device=x.device)
-            dw = torch.empty(shape, dtype=x.dtype, device=x.device)
+                return dw.zero_()
             launch(x, dy, dw)
             return dw
 
@@ -473,7 +481,7 @@ def _dgrad_op(
 
 
 def _fake_wgrad(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
-    return x.new_empty(tuple(weight_size))
+    return empty_weight_grad(x, weight_size)
 
 
 @custom_op(
@@ -483,5 +491,5 @@ def _fake_wgrad(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
     _fake_wgrad,
 )
 def _wgrad_op(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
-    """The weight gradient (contiguous)."""
+    """The weight gradient (x's layout)."""
     return wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo)(x, dy)

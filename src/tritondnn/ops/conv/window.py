@@ -25,7 +25,15 @@ from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
 from ..matmul.kernels import dot
-from .engines import WGRAD_FAMILY, dot_constexprs, peak, roofline, split_pixels, summed_splits
+from .engines import (
+    WGRAD_FAMILY,
+    dot_constexprs,
+    peak,
+    roofline,
+    split_pixels,
+    summed_splits,
+    wgrad_out_steps,
+)
 from .kernels import output_pixel
 from .problem import ConvProblem
 
@@ -183,8 +191,7 @@ class WindowWgradEngine(Engine[ConvProblem]):
         taps = p.taps
         numel = p.cout * p.cin * taps
         grid = (cdiv(p.cout, bm), cdiv(rows, rb), split)
-        # dw contiguous (Cout, Cin, taps): row Cin * taps, channel taps, tap 1.
-        direct = (0, p.cin * taps, taps, 1)
+        direct = (0, *wgrad_out_steps(p)[1:])  # one group
         if split == 1:
             launch = launcher(_window_wgrad_kernel, grid, 3, (*head, *direct, *geometry), consts, **opts)
             return lambda x, dy, dw: launch(dy, x, dw)

@@ -230,3 +230,61 @@ def test_functorch_transforms_take_the_general_path():
     torch.func.grad(f)(randn(2, 3, 5, 5))
     assert keys == [None]
     assert eager.eager_key(2, randn(2, 3, 5, 5), w, None, 1, 1, 1, 1) is not None
+
+
+@pytest.fixture
+def counted_gradients(monkeypatch):
+    """A fresh cache of standalone gradient calls, and the number of calls through the checks."""
+    monkeypatch.setattr(eager, "gradient_programs", {})
+    counts = {"checks": 0}
+    check = conv.check_tensor_pair
+
+    def counting_check(*args):
+        counts["checks"] += 1
+        return check(*args)
+
+    monkeypatch.setattr(conv, "check_tensor_pair", counting_check)
+    return counts
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-k{c[2]}-g{c[6]}-last{c[8]}")
+def test_repeated_gradient_calls_match_torch(case, counted_gradients):
+    """``conv_backward_data`` and ``conv_backward_weight`` three times with one key each, fresh
+    data each time: both against float64 autograd of PyTorch's convolution; only each function's
+    first call is checked."""
+    shape, cout, kernel, stride, padding, dilation, groups, _, last = case
+    nd = len(shape) - 2
+    for _ in range(3):
+        x = _layout(randn(*shape), last)
+        w = randn(cout, shape[1] // groups, *kernel, scale=0.3)
+        y = _torch_conv(nd, x, w, None, stride, padding, dilation, groups)
+        dy = _layout(randn(*y.shape), last)
+        x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        y64 = _torch_conv(nd, x64, w64, None, stride, padding, dilation, groups)
+        rx, rw = torch.autograd.grad(y64, (x64, w64), dy.double())
+        dx = conv.conv_backward_data(dy, w, x.shape, stride, padding, dilation, groups)
+        dw = conv.conv_backward_weight(x, dy, w.shape, stride, padding, dilation, groups)
+        torch.testing.assert_close(dx.double(), rx, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dw.double(), rw, atol=1e-4, rtol=1e-4)
+    assert counted_gradients["checks"] == 2 and len(eager.gradient_programs) == 2
+
+
+def test_gradient_calls_take_new_keys_and_still_refuse_bad_input(counted_gradients):
+    """Another layout, geometry or forced engine is checked and planned afresh; a call that wants
+    autograd takes the general path (no key); bad input on a cached key still raises."""
+    x, w = randn(2, 3, 6, 5), randn(4, 3, 3, 3)
+    dy = randn(2, 4, 6, 5)
+    for _ in range(2):
+        conv.conv_backward_data(dy, w, x.shape, 1, 1)
+    assert counted_gradients["checks"] == 1
+    conv.conv_backward_data(_layout(dy, True), w, x.shape, 1, 1)
+    conv.conv_backward_data(dy, w, x.shape, (1, 1), 1)
+    conv.conv_backward_data(dy, w, x.shape, 1, 1, algo="implicit_gemm")
+    conv.conv_backward_data(dy, w.requires_grad_(True), x.shape, 1, 1)
+    assert counted_gradients["checks"] == 5 and len(eager.gradient_programs) == 4
+    with pytest.raises(ValueError, match="'grad_output' has shape"):
+        conv.conv_backward_data(dy, w.detach(), (2, 3, 7, 5), 1, 1)
+    with pytest.raises(TypeError, match="'stride' must be an int"):
+        conv.conv_backward_weight(x, dy, w.shape, 1.0, 1)
+    with pytest.raises(TypeError, match="'grad_output' has dtype"):
+        conv.conv_backward_weight(x, dy.half(), w.shape, 1, 1)

@@ -529,6 +529,12 @@ def conv_backward_data(
     stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
     ('implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows', 'gemm_1x1'). Differentiable."""
     op = "tdnn.conv_backward_data"
+    key = eager.gradient_key(
+        "dgrad", grad_output, weight, input_size, stride, padding, dilation, groups, algo
+    )
+    run = eager.gradient_programs.get(key) if key is not None else None
+    if run is not None:
+        return run(grad_output, weight)
     check_tensor_pair(op, grad_output, "grad_output", weight, "weight")
     input_size = tuple(int(s) for s in input_size)
     nd = weight.ndim - 2
@@ -571,6 +577,9 @@ def conv_backward_data(
             algo,
         )
         return y
+    if key is not None:  # validated: later calls with this key skip the checks
+        run = eager.gradient_programs[key] = eager.gradient_program("dgrad", grad_output, weight, *args, algo)
+        return run(grad_output, weight)
     return _dgrad_op(
         grad_output,
         weight,
@@ -608,6 +617,12 @@ def conv_backward_weight(
     'gemm_1x1'). Returns a tensor in the input's dtype and layout (channels-last for a
     channels-last input, as PyTorch's; contiguous otherwise)."""
     op = "tdnn.conv_backward_weight"
+    key = eager.gradient_key(
+        "wgrad", input, grad_output, weight_size, stride, padding, dilation, groups, algo
+    )
+    run = eager.gradient_programs.get(key) if key is not None else None
+    if run is not None:
+        return run(input, grad_output)
     check_tensor_pair(op, input, "input", grad_output, "grad_output")
     weight_size = tuple(int(s) for s in weight_size)
     nd = len(weight_size) - 2
@@ -631,16 +646,11 @@ def conv_backward_weight(
             f"a weight of size {weight_size} and groups={groups} gives {expected}"
         )
     algo = _check_algo(op, algo)
-    return _wgrad_op(
-        input,
-        grad_output,
-        list(weight_size),
-        list(stride_),
-        [p[0] for p in pads],
-        list(dilation_),
-        groups,
-        algo,
-    )
+    args = (list(weight_size), list(stride_), [p[0] for p in pads], list(dilation_), groups, algo)
+    if key is not None:  # validated: later calls with this key skip the checks
+        run = eager.gradient_programs[key] = eager.gradient_program("wgrad", input, grad_output, *args)
+        return run(input, grad_output)
+    return _wgrad_op(input, grad_output, *args)
 
 
 def conv_backward_bias(grad_output: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,16 @@ from typing import Any
 import torch
 
 from ...core.config import config
-from ...core.library import PLAIN_TENSORS, eager_tensor, functorch_active, raw_apply
+from ...core.library import PLAIN_TENSORS, eager_tensor, functorch_active, plain_eager, raw_apply
 from .autograd import _like_param, epilogue_grads
 from .plans import dgrad_plan, forward_plan, wgrad_plan
 from .problem import channels_last
 
 # Calls seen before, keyed by ``eager_key``: ``fast(input, weight, bias, grad) -> output``.
 programs: dict[tuple, Callable[..., torch.Tensor]] = {}
+# Standalone gradient calls seen before (``conv_backward_data`` / ``conv_backward_weight``), keyed
+# by ``gradient_key``: ``run(a, b) -> gradient``.
+gradient_programs: dict[tuple, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
 
 
 def _int_tuple(value: Any) -> bool:
@@ -52,6 +55,35 @@ def eager_key(nd, input, weight, bias, stride, padding, dilation, groups, weight
         None if bias is None else (bias.shape, bias.dtype, bias.device),
         stride, padding, dilation, groups,
     )  # fmt: skip
+
+
+def gradient_key(kind, a, b, size, stride, padding, dilation, groups, algo) -> tuple | None:
+    """The key of a standalone gradient call (``kind`` 'dgrad': a = grad_output, b = weight, size
+    = the input's; 'wgrad': a = input, b = grad_output, size = the weight's) on plain, non-empty
+    tensors that autograd does not record, or None where it takes the general path."""
+    if not (plain_eager(a) and plain_eager(b)) or functorch_active() or type(groups) is not int:
+        return None
+    if not (a.numel() and b.numel()) or (algo is not None and type(algo) is not str):
+        return None
+    if type(size) not in (torch.Size, tuple, list) or not all(type(v) is int for v in size):
+        return None
+    if not (_int_tuple(stride) and _int_tuple(dilation) and (type(padding) is str or _int_tuple(padding))):
+        return None
+    return (
+        kind, config.version, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+        tuple(size), stride, padding, dilation, groups, algo,
+    )  # fmt: skip
+
+
+def gradient_program(kind, a, b, size, stride, pad_pre, dilation, groups, algo):
+    """``run(a, b)`` for a validated ``gradient_key``'s calls: the plan the general path runs."""
+    if kind == "wgrad":
+        return wgrad_plan(a, b, list(size), stride, pad_pre, dilation, groups, algo)
+    plan = dgrad_plan(
+        a, b, None, None, None, list(size), stride, pad_pre, dilation, groups, -1, False, a.dtype, channels_last(a),
+        algo,
+    )  # fmt: skip
+    return lambda dy, w: plan(dy, w, None, None, None, 1.0, 0.0, 0.0, 0.0)[0]
 
 
 class _EagerConv(torch.autograd.Function):

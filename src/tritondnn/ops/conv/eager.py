@@ -80,8 +80,8 @@ def gradient_program(kind, a, b, size, stride, pad_pre, dilation, groups, algo):
     if kind == "wgrad":
         return wgrad_plan(a, b, list(size), stride, pad_pre, dilation, groups, algo)
     plan = dgrad_plan(
-        a, b, None, None, None, list(size), stride, pad_pre, dilation, groups, -1, False, a.dtype, channels_last(a),
-        algo,
+        a, b, None, None, None, list(size), stride, pad_pre, dilation, groups, -1, False, a.dtype,
+        channels_last(a), algo,
     )  # fmt: skip
     return lambda dy, w: plan(dy, w, None, None, None, 1.0, 0.0, 0.0, 0.0)[0]
 

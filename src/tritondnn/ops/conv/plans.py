@@ -275,6 +275,7 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
     if run is None:
         shape = tuple(weight_size)
         dw = empty_weight_grad(x, shape)
+        dw_strides = dw.stride()
         problem = make_problem(
             "wgrad",
             (x.shape, strides5(x)),
@@ -298,7 +299,7 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
             launch = choice.engine.bind(problem, choice.config)
 
         def run(x, dy):
-            dw = empty_weight_grad(x, shape)
+            dw = torch.empty_strided(shape, dw_strides, dtype=x.dtype, device=x.device)
             if launch is None:
                 return dw.zero_()
             launch(x, dy, dw)

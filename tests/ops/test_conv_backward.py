@@ -11,6 +11,7 @@ import tritondnn as tdnn
 from helpers import DEVICE, assert_close
 from tritondnn.ops import conv
 from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
+from tritondnn.ops.conv.engines import wgrad_staged as staged
 from tritondnn.ops.conv.problem import channels_last as is_channels_last
 from tritondnn.ops.epilogue import Epilogue
 
@@ -303,6 +304,35 @@ def test_boxed_dgrad_shifted_wgrad(case, last, poison):
     rx, _ = conv_backward_reference(x, w, dy_valid, stride, valid, dilation, groups)
     dx = conv.conv_backward_data(dy_valid, w, x.shape, stride, valid, dilation, groups, algo="boxed_gemm")
     assert_close(dx, rx, what=f"boxed dgrad, valid padding {case}")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 8, 7, 9), 12, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1),
+        ((2, 16, 9, 8), 8, (3, 3), (2, 1), ((1, 0), (2, 1)), (1, 2), 2),
+        ((3, 8, 13), 16, (5,), (2,), ((2, 1),), (1,), 1),
+        ((1, 8, 4, 5, 6), 8, (3, 1, 3), (1, 2, 1), ((1, 1), (0, 0), (1, 1)), (1, 1, 1), 1),
+        ((2, 8, 6, 6), 16, (1, 1), (2, 2), ((0, 0), (0, 0)), (1, 1), 1),
+    ],
+    ids=str,
+)
+def test_fp32_wgrad_stages_channels_first_operands(case, poison):
+    """fp32 channels-first x and dy with a sector (8) of input channels per group are copied
+    channels-last before the implicit GEMM (its channels-first loads do not vectorize); dw stays
+    contiguous. Channels-last operands, and fewer channels, are read in place."""
+    _, _, _, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case)
+    geometry = (stride, pads, dilation, groups)
+    few = x[:, : 4 * groups].contiguous()  # 4 channels a group: 16 bytes
+    assert not staged(conv.describe_wgrad(few, dy, [w.shape[0], 4, *w.shape[2:]], *geometry))
+    assert staged(conv.describe_wgrad(x, dy, list(w.shape), *geometry))
+    assert not staged(conv.describe_wgrad(channels_last(x), channels_last(dy), list(w.shape), *geometry))
+    assert not staged(conv.describe_wgrad(x.half(), dy.half(), list(w.shape), *geometry))
+    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    dw = conv.conv_backward_weight(x, dy, w.shape, *geometry, algo="implicit_gemm")
+    assert_close(dw, rw, what=f"staged wgrad {case}")
+    assert dw.is_contiguous()
 
 
 def test_few_channel_data_gradients_take_the_folded_gemm():

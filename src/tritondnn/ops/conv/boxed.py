@@ -40,6 +40,8 @@ from .engines import (
     FAMILY,
     ImplicitGemmDgradEngine,
     ImplicitGemmEngine,
+    channels_last_strides,
+    dense_channels_first,
     dot_constexprs,
     epilogue_constexprs,
     peak,
@@ -177,7 +179,7 @@ class _Geometry:
             and dense_channels_first((p.n, self.src_channels, *self.src_size), self.src_strides)
         )
         if self.staged:
-            self.src_strides = _channels_last_strides(self.src_channels, self.src_size)
+            self.src_strides = channels_last_strides(self.src_channels, self.src_size)
         self.out_strides = p.y_strides if fwd else p.x_strides
         self.cols = p.cout_g if fwd else p.cin_g  # output columns per group
         self.ck = p.cin_g if fwd else p.cout_g  # reduction channels per group
@@ -197,21 +199,6 @@ class _Geometry:
             self.weights = (p.cout, p.taps * p.cin_g, p.w_strides[0])
         else:
             self.weights = (p.cout if fwd else p.cin, k, cdiv(k, pad_to) * pad_to)
-
-
-def dense_channels_first(sizes: tuple[int, ...], strides: Strides5) -> bool:
-    """Whether a tensor is dense channels-first (strides of size-1 dimensions aside)."""
-    step = 1
-    for size, st in reversed(list(zip(sizes, strides))):
-        if size > 1 and st != step:
-            return False
-        step *= size
-    return True
-
-
-def _channels_last_strides(c: int, size: Triple) -> Strides5:
-    d, h, w = size
-    return (d * h * w * c, 1, h * w * c, w * c, c)
 
 
 def _weights_in_place(p: ConvProblem) -> bool:

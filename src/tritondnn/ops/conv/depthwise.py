@@ -29,9 +29,11 @@ from .engines import (
     dgrad_phases,
     epilogue_constexprs,
     forward_geometry,
+    reduce_splits,
     roofline,
     row_limit,
     wgrad_out_steps,
+    workspace_steps,
 )
 from .kernels import output_pixel
 from .problem import ConvProblem
@@ -529,8 +531,6 @@ class DepthwiseWgradEngine(Engine[ConvProblem]):
         return _memory_cost(problem) * 1.5
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        from .kernels import _sum_kernel
-
         p = problem
         bk, bc = (16, 16) if INTERPRET else (64, 64 if p.channels_last else 32)
         taps, ktot = p.taps, p.out_pixels
@@ -558,8 +558,9 @@ class DepthwiseWgradEngine(Engine[ConvProblem]):
         direct = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, 0, o_m, o_t, *geometry), consts)
         if split == 1:
             return lambda x, dy, dw: direct(dy, x, dw)
-        partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, o_m, o_t, *geometry), consts)
-        reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
+        _, ws_m, _, ws_t = workspace_steps(p)
+        partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, ws_m, ws_t, *geometry), consts)
+        reduce = reduce_splits(p, split)
         ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:

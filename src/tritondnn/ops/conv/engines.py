@@ -25,8 +25,9 @@ import triton.language as tl
 from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, Family, LaunchConfig
 from ...core.launcher import cdiv, launcher
+from ...core.relayout import relayout
 from .kernels import _col2im_kernel, _igemm_kernel, _sum_kernel, _wgrad_kernel
-from .problem import ConvProblem, itemsize
+from .problem import ConvProblem, Strides5, Triple, itemsize
 
 
 def _describe(*args: Any, **kwargs: Any) -> ConvProblem:
@@ -69,18 +70,20 @@ def roofline(flops: float, nbytes: float, tflops: float, compute_eff: float, bw_
 
 
 def dot_constexprs(p: ConvProblem) -> tuple:
-    """ACC, PRECISION, UPCAST for tl.dot. The fp32 forward without TF32 takes three TF32 products
-    a product ("tf32x3", about fp32's accuracy, on the tensor cores) as the recurrent networks do,
-    where Triton's "ieee" fp32 dot runs on the FMA units: H100, ResNet-50's layers at N=64 NCHW,
-    3x3 64 @56 0.646 -> 0.267 ms, 1x1 64->256 @56 0.345 -> 0.201. The gradients keep "ieee": with
-    tf32x3 their kernels ran 12-15% slower (3x3 64 @56 dgrad + wgrad 2.43 -> 2.73 ms)."""
+    """ACC, PRECISION, UPCAST for tl.dot. fp32 without TF32 takes three TF32 products a product
+    ("tf32x3", about fp32's accuracy, on the tensor cores) as the recurrent networks do, or
+    Triton's "ieee" fp32 dot on the FMA units, whichever ran faster. H100, ResNet-50's layers at
+    N=64: forward 3x3 64 @56 NCHW 0.646 -> 0.267 ms, 1x1 64->256 @56 0.345 -> 0.201; data
+    gradients 10-20% faster with it (NCHW 3x3 128 @28 361 -> 295 us, 64 @56 406 -> 321; the
+    strided 1x1 lost 443 -> 533); weight gradients with taps (channels-last) 25% slower (3x3 128
+    @28 450 -> 569 us), 1x1 ones faster (64->256 @56 257 -> 195, 1024->2048 s2 333 -> 290)."""
     acc = tl.float64 if p.dtype == "float64" else tl.float32
     if p.dtype != "float32":
         precision = "ieee"
     elif p.tf32:
         precision = "tf32"
     else:
-        precision = "tf32x3" if p.direction == "fwd" else "ieee"
+        precision = "ieee" if p.direction == "wgrad" and p.taps > 1 else "tf32x3"
     return acc, precision, INTERPRET and p.dtype == "bfloat16"
 
 
@@ -112,6 +115,10 @@ def tile_configs(p: ConvProblem, cols: int) -> list[LaunchConfig]:
         shapes = [(32, 32, 16, 4, 1), (16, 16, 16, 4, 1)]
     elif p.dtype == "float64":
         shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2)]
+    elif p.dtype == "float32" and not p.tf32 and dot_constexprs(p)[1] == "tf32x3" and p.direction != "fwd":
+        # H100, ResNet-50's gradients at N=64: 128 x 64 tiles ran tf32x3 fastest on every layer but
+        # the strided 1x1's data gradient (NCHW dgrad 3x3 128 @28 295 us against 128 x 128's 488).
+        shapes = [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (64, 64, 32, 4, 4)]
     elif p.dtype == "float32" and not p.tf32:
         shapes = [(128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)]
     elif p.dtype == "float32":
@@ -317,6 +324,44 @@ def _channels_first_gather_eff(p: ConvProblem) -> float:
     return 1.0 if p.taps == 1 and p.stride == (1, 1, 1) else 0.35
 
 
+def dense_channels_first(sizes: tuple[int, ...], strides: Strides5) -> bool:
+    """Whether a tensor is dense channels-first (strides of size-1 dimensions aside)."""
+    step = 1
+    for size, st in reversed(list(zip(sizes, strides))):
+        if size > 1 and st != step:
+            return False
+        step *= size
+    return True
+
+
+def channels_last_strides(c: int, size: Triple) -> Strides5:
+    """(n, c, d, h, w) strides of a dense channels-last (N, C, D, H, W) tensor."""
+    d, h, w = size
+    return (d * h * w * c, 1, h * w * c, w * c, c)
+
+
+def channels_last_stager(n: int, channels: int, size: Triple) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A dense channels-first (n, channels, *size) tensor -> its channels-last copy (flat), for
+    engines that read channels innermost (``staged`` operands)."""
+    d, h, w = size
+    copy = relayout(
+        n,
+        channels,
+        d * h,
+        w,
+        (channels * d * h * w, d * h * w, w, 1),
+        (d * h * w * channels, 1, w * channels, channels),
+    )
+    numel = n * channels * d * h * w
+
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(numel, dtype=t.dtype, device=t.device)
+        copy(t, buf)
+        return buf
+
+    return stage
+
+
 def channels_last_weights(
     p: ConvProblem,
 ) -> tuple[ConvProblem, Callable[[torch.Tensor], torch.Tensor] | None]:
@@ -434,13 +479,31 @@ def wgrad_out_steps(p: ConvProblem) -> tuple[int, int, int, int]:
     return p.cout_g * s_co, s_co, s_c, 1 if tap is None else tap
 
 
+def workspace_steps(p: ConvProblem) -> tuple[int, int, int, int]:
+    """(group, output channel, input channel, tap) steps of a split weight gradient's workspace:
+    input channels innermost whatever dw's layout, so that each split's stores run along channels
+    (H100, fp32 NCHW 3x3 128 @28 N=64: the contiguous dw's order, taps innermost, scattered them);
+    ``reduce_splits`` writes dw through its own steps."""
+    row = p.taps * p.cin_g
+    return p.cout_g * row, row, 1, p.cin_g
+
+
+def reduce_splits(p: ConvProblem, split: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``reduce(ws, dw)``: the (split, dw elements) workspace in ``workspace_steps`` order, added
+    in a fixed order (deterministic) into dw."""
+    numel = p.cout * p.cin_g * p.taps
+    _, o_m, o_c, o_t = wgrad_out_steps(p)
+    ints = (numel, split, p.cin_g, p.taps, o_m, o_c, o_t)
+    return launcher(_sum_kernel, (cdiv(numel, 1024),), 2, ints, (1024,))
+
+
 def summed_splits(p: ConvProblem, split: int, partial: Callable[..., None]) -> Callable[..., None]:
     """``run(x, dy, dw)`` of a split weight gradient: ``partial(dy, x, ws)`` writes each split's
-    sums into a (split, dw elements) fp32 (fp64) workspace, then one kernel adds them in a fixed
-    order into dw (deterministic)."""
+    sums into a (split, dw elements) fp32 (fp64) workspace (``workspace_steps``), then
+    ``reduce_splits`` adds them into dw."""
     numel = p.cout * p.cin_g * p.taps
     ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-    reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
+    reduce = reduce_splits(p, split)
 
     def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
         ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
@@ -453,26 +516,36 @@ def summed_splits(p: ConvProblem, split: int, partial: Callable[..., None]) -> C
 @WGRAD_FAMILY.register
 class ImplicitGemmWgradEngine(Engine[ConvProblem]):
     """Any weight gradient: a GEMM (output channels) x (input channels, taps) reducing over
-    N * output pixels, split over that reduction with the partial sums added in a fixed order."""
+    N * output pixels, split over that reduction with the partial sums added in a fixed order.
+    Dense channels-first fp32 x and dy are ``staged`` (copied channels-last per call, see
+    ``wgrad_staged``)."""
 
     name = "implicit_gemm"
 
     def cost(self, problem: ConvProblem) -> float:
         p = problem
+        staged = wgrad_staged(p)
         # Channels-last x is gathered in runs of Cin_g elements per (pixel, tap): runs shorter than
         # a 32-byte sector waste its rest (the 3-channel stem ran at 6 TFLOP/s on an H100).
-        run = min(1.0, p.cin_g * itemsize(p.dtype) / 32) if p.channels_last else 1.0
+        run = min(1.0, p.cin_g * itemsize(p.dtype) / 32) if p.channels_last or staged else 1.0
         # 16-bit channels-first operands are gathered element by element: H100, bf16, 3x3 64 @56
         # N=64 NCHW 1458 us (10 TFLOP/s), 3x3 256 @14 676 us, conv1d k5 512 L4096 NCL 1580 us.
         if p.dtype in ("float16", "bfloat16") and not p.channels_last:
             run *= 0.1
-        return roofline(p.flops, p.bytes, peak(p), 0.6 * run, 0.6) + 8.0
+        cost = roofline(p.flops, p.bytes, peak(p), 0.6 * run, 0.6) + 8.0
+        if staged:  # x and dy read and written once more
+            nbytes = 2 * (p.in_pixels * p.cin + p.out_pixels * p.cout) * itemsize(p.dtype)
+            cost += roofline(0, nbytes, 1.0, 1.0, 0.75) + 8.0
+        return cost
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        configs = tile_configs(problem, problem.cin_g * problem.taps)
-        # Rows are the group's output channels: no taller tiles than they fill.
-        fit = max(64, 1 << (max(problem.cout_g, 1) - 1).bit_length())
-        configs.sort(key=lambda c: c["BLOCK_M"] > fit)  # stable
+        p = problem
+        configs = tile_configs(p, p.cin_g * p.taps)
+        # Rows are the group's output channels: no taller tiles than they fill. fp32 on the FMA
+        # units with 64 of them: 64 x 64 tiles (H100, 3x3 64 @56 N=64 NHWC 633 us, 64 x 128 804).
+        fit = max(64, 1 << (max(p.cout_g, 1) - 1).bit_length())
+        narrow = dot_constexprs(p)[1] == "ieee" and p.dtype == "float32" and fit == 64
+        configs.sort(key=lambda c: (c["BLOCK_M"] > fit, narrow and c["BLOCK_N"] > 64))  # stable
         return configs
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
@@ -483,6 +556,9 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
         ncols = p.cin_g * taps
         numel = p.cout * ncols
         grid = (cdiv(p.cout_g, bm) * cdiv(ncols, bn), p.groups, split)
+        staged = wgrad_staged(p)
+        x_strides = channels_last_strides(p.cin, p.in_size) if staged else p.x_strides
+        y_strides = channels_last_strides(p.cout, p.out_size) if staged else p.y_strides
         head = (
             p.out_pixels,
             p.cout_g,
@@ -491,19 +567,40 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
             *p.in_size,
             *p.kernel,
             chunk,
-            *p.y_strides,
-            *p.x_strides,
+            *y_strides,
+            *x_strides,
         )
         geometry = (*p.stride, *p.pad, *p.dilation)
-        consts = (*dot_constexprs(p), p.index_64, p.channels_last, bm, bn, bk, config["GROUP_M"])
+        tap_major = p.channels_last or staged
+        consts = (*dot_constexprs(p), p.index_64, tap_major, bm, bn, bk, config["GROUP_M"])
         opts = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         direct = (0, *wgrad_out_steps(p))
         launch = launcher(_wgrad_kernel, grid, 3, (*head, *direct, *geometry), consts, **opts)
         if split == 1:
-            return lambda x, dy, dw: launch(dy, x, dw)
-        partial = (numel, *direct[1:])
-        launch_ws = launcher(_wgrad_kernel, grid, 3, (*head, *partial, *geometry), consts, **opts)
-        return summed_splits(p, split, launch_ws)
+            run = lambda x, dy, dw: launch(dy, x, dw)
+        else:
+            partial = (numel, *workspace_steps(p))
+            launch_ws = launcher(_wgrad_kernel, grid, 3, (*head, *partial, *geometry), consts, **opts)
+            run = summed_splits(p, split, launch_ws)
+        if not staged:
+            return run
+        stage_x = channels_last_stager(p.n, p.cin, p.in_size)
+        stage_dy = channels_last_stager(p.n, p.cout, p.out_size)
+        return lambda x, dy, dw: run(stage_x(x), stage_dy(dy), dw)
+
+
+def wgrad_staged(p: ConvProblem) -> bool:
+    """Whether the implicit GEMM copies x and dy channels-last first: both dense channels-first
+    fp32 with at least a 32-byte sector of input channels per group. Channels-first loads along
+    pixels, shifted by the taps, do not vectorize: H100, ResNet-50's fp32 layers at N=64, NCHW
+    3x3 128 @28 1526 us against 450 channels-last (copies: 45), 1x1 64->256 @56 562 against 195."""
+    return (
+        p.dtype == "float32"
+        and p.cin_g * itemsize(p.dtype) >= 32
+        and p.cout > 1
+        and dense_channels_first((p.n, p.cin, *p.in_size), p.x_strides)
+        and dense_channels_first((p.n, p.cout, *p.out_size), p.y_strides)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -279,15 +279,19 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _sum_kernel(ws_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
-    """out[i] = sum over s of ws[s, i] (ws [split, numel] contiguous), added in order of s, stored
-    in out's dtype (out contiguous). Grid: (cdiv(numel, BLOCK),)."""
+def _sum_kernel(ws_ptr, out_ptr, numel, split, CG, TAPS, o_m, o_c, o_t, BLOCK: tl.constexpr):
+    """A split weight gradient's sum: out[co, c, tap] = sum over s of ws[s, co, tap, c] (ws
+    [split, numel] contiguous, channels innermost), added in order of s, stored in out's dtype at
+    ``co * o_m + c * o_c + tap * o_t``. Grid: (cdiv(numel, BLOCK),)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.zeros((BLOCK,), ws_ptr.dtype.element_ty)
     for s in range(split):
         acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, convert(acc, out_ptr.dtype.element_ty), mask=ok)
+    c = offs % CG
+    t = (offs // CG) % TAPS
+    co = offs // (CG * TAPS)
+    tl.store(out_ptr + co * o_m + c * o_c + t * o_t, convert(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -31,18 +31,20 @@ from ...core.backend import INTERPRET, sm_count
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.numerics import convert
-from ...core.relayout import relayout
 from ..matmul.kernels import dot
-from .boxed import dense_channels_first, descriptor_reasons
+from .boxed import descriptor_reasons
 from .engines import (
     WGRAD_FAMILY,
     ImplicitGemmWgradEngine,
+    channels_last_stager,
+    dense_channels_first,
     dot_constexprs,
     peak,
+    reduce_splits,
     roofline,
     wgrad_out_steps,
+    workspace_steps,
 )
-from .kernels import _sum_kernel
 from .problem import ConvProblem, itemsize
 
 
@@ -267,27 +269,6 @@ def _row(p: ConvProblem, channels: int, strides: tuple[int, ...], staged: bool) 
     return channels if staged else rows_stride((p.n, channels, *p.in_size), strides)
 
 
-def _stager(p: ConvProblem, channels: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A dense channels-first (n, channels, *in_size) tensor -> its channels-last copy (flat)."""
-    d, h, w = p.in_size
-    copy = relayout(
-        p.n,
-        channels,
-        d * h,
-        w,
-        (channels * d * h * w, d * h * w, w, 1),
-        (d * h * w * channels, 1, w * channels, channels),
-    )
-    numel = p.n * channels * d * h * w
-
-    def stage(t: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=t.dtype, device=t.device)
-        copy(t, buf)
-        return buf
-
-    return stage
-
-
 def wgrad_reasons(p: ConvProblem) -> list[str]:
     reasons = descriptor_reasons(p)
     if p.stride != (1, 1, 1):
@@ -390,7 +371,10 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         fallback = ImplicitGemmWgradEngine()
         slow = fallback.bind(p, fallback.configs(p)[0])
 
-        stagers = (_stager(p, p.cin) if stage_x else None, _stager(p, p.cout) if stage_dy else None)
+        stagers = tuple(
+            channels_last_stager(p.n, c, p.in_size) if staged else None
+            for c, staged in ((p.cin, stage_x), (p.cout, stage_dy))
+        )
 
         def operands(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             """x and dy as the kernel reads them (staged ones copied), or None when a base address
@@ -409,9 +393,11 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
                 launch(*read, dw)
 
             return run_direct
-        partial = launcher(_shifted_wgrad_kernel, grid, 3, (*head, numel, *direct[1:]), consts, **opts)
+        partial = launcher(
+            _shifted_wgrad_kernel, grid, 3, (*head, numel, *workspace_steps(p)), consts, **opts
+        )
         ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-        reduce = launcher(_sum_kernel, (cdiv(numel, 1024),), 2, (numel, split), (1024,))
+        reduce = reduce_splits(p, split)
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
             read = operands(x, dy)

@@ -33,6 +33,7 @@ from .engines import (
     split_pixels,
     summed_splits,
     wgrad_out_steps,
+    workspace_steps,
 )
 from .kernels import output_pixel
 from .problem import ConvProblem
@@ -196,6 +197,6 @@ class WindowWgradEngine(Engine[ConvProblem]):
             launch = launcher(_window_wgrad_kernel, grid, 3, (*head, *direct, *geometry), consts, **opts)
             return lambda x, dy, dw: launch(dy, x, dw)
         partial = launcher(
-            _window_wgrad_kernel, grid, 3, (*head, numel, *direct[1:], *geometry), consts, **opts
+            _window_wgrad_kernel, grid, 3, (*head, numel, *workspace_steps(p)[1:], *geometry), consts, **opts
         )
         return summed_splits(p, split, partial)

@@ -239,15 +239,14 @@ WRAPPING = [
 
 
 @pytest.mark.parametrize("case", WRAPPING, ids=str)
-@pytest.mark.parametrize("multiprocessors", [1, 3, 64])
-def test_shifted_wgrad_takes_back_wrapped_pixels(case, multiprocessors, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_shifted_wgrad_takes_back_wrapped_pixels(case, splits, monkeypatch):
     """The shifted weight gradient adds every pixel's product per tap and takes back those of the
     pixels whose tap leaves the image (margin rows, planes and columns); with the pixels split
-    into ranges that start and end mid-image (more multiprocessors, more splits), each range
-    takes back exactly its own."""
+    into ranges that start and end mid-image, each range takes back exactly its own."""
     from tritondnn.ops.conv import describe_wgrad, shifted
 
-    monkeypatch.setattr(shifted, "sm_count", lambda: multiprocessors)
+    monkeypatch.setattr(shifted, "_split", lambda *args: splits)
     shape, cout, kernel, pads, dilation, groups = case
     stride = (1,) * len(kernel)
     x, w, dy = _tensors((shape, cout, kernel, stride, pads, dilation, groups), torch.float16, True)
@@ -258,7 +257,28 @@ def test_shifted_wgrad_takes_back_wrapped_pixels(case, multiprocessors, monkeypa
     assert not engine.not_supported_reasons(problem)
     dw = _in_layout_of(torch.full(w.shape, float("nan"), device=DEVICE, dtype=torch.float16), x)
     engine.bind(problem, engine.configs(problem)[0])(x, dy, dw)
-    assert_close(dw, rw, what=f"shifted wgrad {case}, {multiprocessors} multiprocessors")
+    assert_close(dw, rw, what=f"shifted wgrad {case}, {splits} splits")
+
+
+def test_shifted_wgrad_splits_fill_one_wave(monkeypatch):
+    """The split count: one wave of programs where that beats two waves' shorter ranges plus
+    their workspace (128 x 128 tiles, one a multiprocessor; 64 x 64 ones run two to one), a
+    direct store for a problem with a wave of tiles already; bf16 N=64, 132 multiprocessors."""
+    from tritondnn.ops.conv import describe_wgrad, shifted
+
+    monkeypatch.setattr(shifted, "sm_count", lambda: 132)
+
+    def split(channels, size, tile):
+        x = torch.empty(64, channels, size, size, device="meta", dtype=torch.bfloat16)
+        problem = describe_wgrad(channels_last(x), channels_last(x), [channels, channels, 3, 3], 1, 1)
+        config = {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 64}
+        tiles = 9 * (-(-channels // tile)) ** 2
+        return tiles, shifted._split(problem, tiles, 64 * size * size, config)
+
+    for channels, size, tile, per_sm in ((256, 14, 128, 1), (128, 28, 128, 1), (64, 56, 64, 2)):
+        tiles, n = split(channels, size, tile)
+        assert 0.5 * per_sm * 132 < tiles * n <= per_sm * 132
+    assert split(512, 7, 128) == (144, 1)
 
 
 @pytest.mark.parametrize(

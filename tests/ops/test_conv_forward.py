@@ -96,7 +96,7 @@ def test_bf16(case, engine):
     _run_case(case, engine, "channels_last", torch.bfloat16)
 
 
-@pytest.mark.parametrize("layout_name", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("layout_name", ["channels_last", "contiguous", "strided"])
 @pytest.mark.parametrize(
     "case",
     [
@@ -108,14 +108,16 @@ def test_bf16(case, engine):
 )
 def test_few_channels_k_walks(case, layout_name):
     """Fewer input channels than a K step: channels-last inputs walk K by row windows (the W taps'
-    channels side by side), other layouts by flat (tap, channel) gathers."""
+    channels side by side), contiguous ones too after a channels-last copy, other layouts by flat
+    (tap, channel) gathers."""
     from tritondnn.ops.conv import describe_forward
-    from tritondnn.ops.conv.engines import row_window
+    from tritondnn.ops.conv.engines import ImplicitGemmEngine, row_window, window_staged
 
     x, _ = _run_case(case, "implicit_gemm", layout_name, torch.float32)
     w = torch.empty(case[1], case[0][1], *case[2], device=DEVICE)
     problem = describe_forward(x, w, None, case[3], case[4], case[5])
-    assert row_window(problem) == (layout_name == "channels_last")
+    assert row_window(problem) == (x.stride(1) == 1)  # (a 1-D "strided" x is channels-last)
+    assert window_staged(problem, ImplicitGemmEngine().configs(problem)[0]) == (layout_name == "contiguous")
 
 
 def test_fp64_and_tf32():

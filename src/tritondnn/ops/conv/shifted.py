@@ -295,10 +295,11 @@ def _wgrad_configs(p: ConvProblem) -> list[LaunchConfig]:
     elif p.dtype == "float32":
         shapes = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)]
     else:
-        # H100, bf16, N=64, 3x3 512 @7 / 256 @14: 128x128 tiles with one warp group 63 / 59 us,
-        # with two 67 / 61, 64x64 85 / 66.
-        shapes = [(128, 128, 64, 4, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
-        shapes.append((128, 128, 64, 8, 3))
+        # H100, bf16, N=64, graphs, with ``_split``'s counts: 128x128 tiles with two warp groups
+        # 3x3 512 @7 / 256 @14 / 128 @28 64 / 48 / 44 us, with one 70 / 52 / 47. (With two waves'
+        # worth of splits one had been faster: 63 / 59 against 67 / 61.)
+        shapes = [(128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+        shapes.append((128, 128, 64, 4, 3))
     fit_m = max(64, 1 << (p.cout_g - 1).bit_length())
     fit_n = max(64, 1 << (p.cin_g - 1).bit_length())
     shapes.sort(key=lambda s: (s[0] > fit_m) + (s[1] > fit_n))  # stable
@@ -306,6 +307,26 @@ def _wgrad_configs(p: ConvProblem) -> list[LaunchConfig]:
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
         for bm, bn, bk, w, st in shapes
     ]
+
+
+def _split(p: ConvProblem, tiles: int, pixels: int, config: LaunchConfig) -> int:
+    """How many pixel ranges the reduction splits into: the fewest waves of programs times the K
+    steps each runs, plus the workspace each extra split writes and the sum reads (2.5 TB/s). A
+    128 x 128 x 64 16-bit step takes about 0.4 us on a multiprocessor; tiles of 64 x 64 or less
+    run two to a multiprocessor, each at half its rate alone. On an H100, bf16 N=64, graphs: 3x3
+    256 @14 split 3 (one wave of 108 programs) 52 us against 63 with two waves' worth (8); 128 @28
+    14 against 30: 47 against 55; 512 @7 1 (144 tiles, dw stored directly) 64-70 against 68-75
+    with 2; 64 @56 (64 x 64 tiles) 29 against 14: 59 against 73."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    per_sm = 2 if bm * bn <= 64 * 64 else 1
+    step = 0.4 * bm * bn * bk / (128 * 128 * 64) * per_sm * peak(p) / 600.0
+    ws_split = p.cout * p.cin_g * p.taps * 8 / 2.5e6  # fp32 written once, read once
+
+    def cost(split: int) -> float:
+        waves = cdiv(tiles * split, per_sm * sm_count())
+        return waves * cdiv(pixels, split * bk) * step + (ws_split * split if split > 1 else 0.0)
+
+    return min(range(1, max(1, min(cdiv(pixels, 4 * bk), 256)) + 1), key=cost)
 
 
 @WGRAD_FAMILY.register
@@ -342,7 +363,7 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         taps = p.taps
         pixels = p.n * math.prod(p.in_size)
         tiles = cdiv(p.cout_g, bm) * taps * cdiv(p.cin_g, bn)
-        split = max(1, min(cdiv(2 * sm_count(), tiles * p.groups), cdiv(pixels, 4 * bk), 1024))
+        split = _split(p, tiles * p.groups, pixels, config)
         chunk = cdiv(cdiv(pixels, split), bk) * bk
         split = cdiv(pixels, chunk)
         (_, _, x_strides, stage_x), (_, _, y_strides, stage_dy) = _operands(p)

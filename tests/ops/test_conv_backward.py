@@ -261,9 +261,10 @@ def test_shifted_wgrad_takes_back_wrapped_pixels(case, splits, monkeypatch):
 
 
 def test_shifted_wgrad_splits_fill_one_wave(monkeypatch):
-    """The split count: one wave of programs where that beats two waves' shorter ranges plus
-    their workspace (128 x 128 tiles, one a multiprocessor; 64 x 64 ones run two to one), a
-    direct store for a problem with a wave of tiles already; bf16 N=64, 132 multiprocessors."""
+    """The split count: for 128 x 128 tiles one wave of programs where that beats two waves'
+    shorter ranges plus their workspace, a direct store for a problem with a wave of tiles
+    already; 64 x 64 ones (several a multiprocessor) two waves' worth; bf16 N=64, 132
+    multiprocessors."""
     from tritondnn.ops.conv import describe_wgrad, shifted
 
     monkeypatch.setattr(shifted, "sm_count", lambda: 132)
@@ -275,10 +276,11 @@ def test_shifted_wgrad_splits_fill_one_wave(monkeypatch):
         tiles = 9 * (-(-channels // tile)) ** 2
         return tiles, shifted._split(problem, tiles, 64 * size * size, config)
 
-    for channels, size, tile, per_sm in ((256, 14, 128, 1), (128, 28, 128, 1), (64, 56, 64, 2)):
-        tiles, n = split(channels, size, tile)
-        assert 0.5 * per_sm * 132 < tiles * n <= per_sm * 132
+    for channels, size in ((256, 14), (128, 28)):
+        tiles, n = split(channels, size, 128)
+        assert 66 < tiles * n <= 132
     assert split(512, 7, 128) == (144, 1)
+    assert split(64, 56, 64) == (9, 30)
 
 
 @pytest.mark.parametrize(

@@ -310,23 +310,26 @@ def _wgrad_configs(p: ConvProblem) -> list[LaunchConfig]:
 
 
 def _split(p: ConvProblem, tiles: int, pixels: int, config: LaunchConfig) -> int:
-    """How many pixel ranges the reduction splits into: the fewest waves of programs times the K
-    steps each runs, plus the workspace each extra split writes and the sum reads (2.5 TB/s). A
-    128 x 128 x 64 16-bit step takes about 0.4 us on a multiprocessor; tiles of 64 x 64 or less
-    run two to a multiprocessor, each at half its rate alone. On an H100, bf16 N=64, graphs: 3x3
-    256 @14 split 3 (one wave of 108 programs) 52 us against 63 with two waves' worth (8); 128 @28
-    14 against 30: 47 against 55; 512 @7 1 (144 tiles, dw stored directly) 64-70 against 68-75
-    with 2; 64 @56 (64 x 64 tiles) 29 against 14: 59 against 73."""
+    """How many pixel ranges the reduction splits into. Tiles of 64 x 64 or less share a
+    multiprocessor: two waves' worth of programs (H100, bf16 N=64, 3x3 64 @56 split 30 59 us
+    against one wave's 14 73; 3x3x3 64 @16x56x56 10 against 9: 580 against 631 us with dgrad).
+    Larger ones: the fewest waves of programs times the K steps each runs (about 0.4 us a 128 x
+    128 x 64 16-bit step), plus the workspace each extra split writes and the sum reads (2.5
+    TB/s). Graphs: 3x3 256 @14 split 3 (one wave of 108 programs) 52 us against two waves' 63 (8);
+    128 @28 14 against 30: 47 against 55; 512 @7 1 (144 tiles, dw stored directly) 64-70
+    against 68-75 with 2."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    per_sm = 2 if bm * bn <= 64 * 64 else 1
-    step = 0.4 * bm * bn * bk / (128 * 128 * 64) * per_sm * peak(p) / 600.0
+    most = max(1, min(cdiv(pixels, 4 * bk), 1024))
+    if bm * bn <= 64 * 64:
+        return min(cdiv(2 * sm_count(), tiles), most)
+    step = 0.4 * bm * bn * bk / (128 * 128 * 64) * peak(p) / 600.0
     ws_split = p.cout * p.cin_g * p.taps * 8 / 2.5e6  # fp32 written once, read once
 
     def cost(split: int) -> float:
-        waves = cdiv(tiles * split, per_sm * sm_count())
+        waves = cdiv(tiles * split, sm_count())
         return waves * cdiv(pixels, split * bk) * step + (ws_split * split if split > 1 else 0.0)
 
-    return min(range(1, max(1, min(cdiv(pixels, 4 * bk), 256)) + 1), key=cost)
+    return min(range(1, min(most, 256) + 1), key=cost)
 
 
 @WGRAD_FAMILY.register

@@ -19,19 +19,24 @@ FNS = {1: (conv.conv1d, F.conv1d), 2: (conv.conv2d, F.conv2d), 3: (conv.conv3d, 
 LAST = {3: torch.channels_last, 4: torch.channels_last, 5: torch.channels_last_3d}
 
 
+def _count_checks(monkeypatch, cache: str, check: str) -> dict[str, int]:
+    """A fresh ``eager.<cache>``, and the number of calls that go through ``conv.<check>``."""
+    monkeypatch.setattr(eager, cache, {})
+    counts = {"checks": 0}
+    original = getattr(conv, check)
+
+    def counting(*args):
+        counts["checks"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(conv, check, counting)
+    return counts
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """A fresh fast-path cache, and the number of calls that went through the checks."""
-    monkeypatch.setattr(eager, "programs", {})
-    counts = {"checks": 0}
-    parse = conv._parse
-
-    def counting_parse(*args):
-        counts["checks"] += 1
-        return parse(*args)
-
-    monkeypatch.setattr(conv, "_parse", counting_parse)
-    return counts
+    return _count_checks(monkeypatch, "programs", "_parse")
 
 
 def _torch_conv(nd, x, w, b, stride, padding, dilation, groups):
@@ -235,16 +240,7 @@ def test_functorch_transforms_take_the_general_path():
 @pytest.fixture
 def counted_gradients(monkeypatch):
     """A fresh cache of standalone gradient calls, and the number of calls through the checks."""
-    monkeypatch.setattr(eager, "gradient_programs", {})
-    counts = {"checks": 0}
-    check = conv.check_tensor_pair
-
-    def counting_check(*args):
-        counts["checks"] += 1
-        return check(*args)
-
-    monkeypatch.setattr(conv, "check_tensor_pair", counting_check)
-    return counts
+    return _count_checks(monkeypatch, "gradient_programs", "check_tensor_pair")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-k{c[2]}-g{c[6]}-last{c[8]}")

@@ -548,6 +548,28 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     assert pick(8192, 4096, 4096, False)[:3] == ("tma-persistent", 128, 256)  # full waves
 
 
+def test_fp32_long_reductions_split_where_few_tiles_would_run(monkeypatch):
+    """fp32 without TF32 on an H100's FMA units (132 SMs): one program an SM ran at about half
+    their rate, so a long reduction with few output tiles (a recurrent network's weight gradient:
+    2048x512 over 16384 steps) splits K over more, smaller programs (786 us against 1367);
+    outputs with two programs an SM or more (4096x1024x4096, 4096^3), and short reductions (K=512,
+    where split-K ran 3.7x slower), stay whole."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    monkeypatch.setattr(mm_engines, "INTERPRET", False)
+
+    def pick(m, n, k):
+        a = torch.empty(k, m, device="meta").t()
+        b = torch.empty(k, n, device="meta")
+        p = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False,
+        ).problem  # fmt: skip
+        return next(r.name for r in mm.FAMILY.report(p) if r.chosen)
+
+    assert pick(2048, 512, 16384) == "split-k"
+    assert pick(4096, 1024, 4096) == pick(4096, 4096, 4096) == pick(16384, 2048, 512) == "tiled"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's

@@ -266,14 +266,16 @@ def _wave_util(programs: int) -> float:
     return programs / (cdiv(programs, sms) * sms) if programs else 1.0
 
 
-def _fma_share(p: MatmulProblem, programs: int) -> float:
-    """The share of the FMA units' rate fp32 products without TF32 reach with ``programs``: one
-    program an SM hides too little latency. H100, fp32: 2048x512 over K=16384 in 128 64x128 tiles
-    1367 us (25 TFLOP/s), split in two over 512 64x64 programs 786 (44); 4096x1024x4096 in 256
-    128x128 tiles 765 (45), 4096^3 in 1024 2878 (48)."""
+def _wave_util_of(p: MatmulProblem, programs: int) -> float:
+    """``_wave_util``, for fp32 without TF32 (the FMA units) with two programs an SM a wave: one
+    program an SM hides too little latency and runs at about half the rate, two share it. H100,
+    fp32: 2048x512 over K=16384 in 128 64x128 tiles 1367 us (25 TFLOP/s), split in two over 512
+    64x64 programs 786 (44); 4096x1024x4096 in 256 128x128 tiles 765 (45), 4096^3 in 1024 2878
+    (48)."""
     if p.dtypes[0] != "float32" or p.tf32:
-        return 1.0
-    return min(1.0, programs / (2 * sm_count()))
+        return _wave_util(programs)
+    slots = 2 * sm_count()
+    return programs / (cdiv(programs, slots) * slots) if programs else 1.0
 
 
 def _epilogue_constexprs(p: MatmulProblem) -> tuple:
@@ -415,9 +417,7 @@ class TiledEngine(Engine[MatmulProblem]):
         programs = _tiles(problem, c)
         # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
         slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = (
-            0.8 * _wave_util(programs) * slow_tf32 * _in_place_rate(problem) * _fma_share(problem, programs)
-        )
+        compute = 0.8 * _wave_util_of(problem, programs) * slow_tf32 * _in_place_rate(problem)
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -862,7 +862,7 @@ def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, band
         waves = max(1.0, programs / sm_count())
         compute = _long_k_us(config["BLOCK_M"], config["BLOCK_N"], cdiv(p.k, split), waves)
         return compute / _in_place_rate(p) + extra / (_BANDWIDTH * 1e6) + 4
-    compute_eff *= _wave_util(programs) * _fma_share(p, programs)
+    compute_eff *= _wave_util_of(p, programs)
     return _roofline(p, compute_eff, bandwidth_eff * util, extra) + (8 if split > 1 else 4)
 
 
@@ -881,7 +881,7 @@ class SplitKEngine(Engine[MatmulProblem]):
 
     def cost(self, problem: MatmulProblem) -> float:
         # fp32 on the FMA units over long K: split-K's programs ran at the tiled kernel's rate (see
-        # _fma_share); over K=512 (16384x2048) 3.7x slower than it.
+        # _wave_util_of); over K=512 (16384x2048) 3.7x slower than it.
         fma = problem.dtypes[0] == "float32" and not problem.tf32 and problem.k >= LONG_K
         return _split_cost(problem, self.configs(problem)[0], 0.75 if fma else 0.6, 0.7)
 

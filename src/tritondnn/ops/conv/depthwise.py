@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import triton
 import triton.language as tl
 
@@ -29,9 +28,9 @@ from .engines import (
     dgrad_phases,
     epilogue_constexprs,
     forward_geometry,
-    reduce_splits,
     roofline,
     row_limit,
+    summed_splits,
     wgrad_out_steps,
     workspace_steps,
 )
@@ -560,12 +559,4 @@ class DepthwiseWgradEngine(Engine[ConvProblem]):
             return lambda x, dy, dw: direct(dy, x, dw)
         _, ws_m, _, ws_t = workspace_steps(p)
         partial = launcher(_depthwise_wgrad_kernel, grid, 3, (*head, numel, ws_m, ws_t, *geometry), consts)
-        reduce = reduce_splits(p, split)
-        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-
-        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
-            partial(dy, x, ws)
-            reduce(ws, dw)
-
-        return run
+        return summed_splits(p, split, partial)

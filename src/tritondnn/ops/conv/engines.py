@@ -115,7 +115,7 @@ def tile_configs(p: ConvProblem, cols: int) -> list[LaunchConfig]:
         shapes = [(32, 32, 16, 4, 1), (16, 16, 16, 4, 1)]
     elif p.dtype == "float64":
         shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2)]
-    elif p.dtype == "float32" and not p.tf32 and dot_constexprs(p)[1] == "tf32x3" and p.direction != "fwd":
+    elif p.direction != "fwd" and dot_constexprs(p)[1] == "tf32x3":
         # H100, ResNet-50's gradients at N=64: 128 x 64 tiles ran tf32x3 fastest on every layer but
         # the strided 1x1's data gradient (NCHW dgrad 3x3 128 @28 295 us against 128 x 128's 488).
         shapes = [(128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (64, 64, 32, 4, 4)]
@@ -491,8 +491,8 @@ def wgrad_out_steps(p: ConvProblem) -> tuple[int, int, int, int]:
     """(group, output channel, input channel, tap) steps of the weight gradient dw in memory, tap
     ``t = (kd * KH + kh) * KW + kw``. The plans lay dw out contiguous (taps innermost) or
     channels-last (input channels innermost, as PyTorch returns it for channels-last inputs); in
-    both the kernel dimensions nest, so one step walks the taps. Split workspaces take the same
-    order, so that their sum is elementwise."""
+    both the kernel dimensions nest, so one step walks the taps. (Split workspaces keep their own
+    order, ``workspace_steps``.)"""
     s_co, s_c, *s_k = p.w_strides
     tap = None
     for size, stride in zip(reversed(p.kernel), reversed(s_k)):

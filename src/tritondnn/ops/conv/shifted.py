@@ -40,8 +40,8 @@ from .engines import (
     dense_channels_first,
     dot_constexprs,
     peak,
-    reduce_splits,
     roofline,
+    summed_splits,
     wgrad_out_steps,
     workspace_steps,
 )
@@ -420,15 +420,12 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         partial = launcher(
             _shifted_wgrad_kernel, grid, 3, (*head, numel, *workspace_steps(p)), consts, **opts
         )
-        ws_dtype = torch.float64 if p.dtype == "float64" else torch.float32
-        reduce = reduce_splits(p, split)
+        summed = summed_splits(p, split, lambda dy, x, ws: partial(x, dy, ws))
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
             read = operands(x, dy)
             if read is None:
                 return slow(x, dy, dw)
-            ws = torch.empty((split, numel), dtype=ws_dtype, device=x.device)
-            partial(*read, ws)
-            reduce(ws, dw)
+            summed(*read, dw)
 
         return run

@@ -260,10 +260,11 @@ def _roofline(p: MatmulProblem, compute_eff: float, bandwidth_eff: float, extra_
     )
 
 
-def _wave_util(programs: int) -> float:
-    """Fraction of the SMs busy over the waves ``programs`` equal programs take."""
-    sms = sm_count()
-    return programs / (cdiv(programs, sms) * sms) if programs else 1.0
+def _wave_util(programs: int, per_sm: int = 1) -> float:
+    """Fraction of the SMs busy over the waves ``programs`` equal programs take, ``per_sm`` of them
+    an SM a wave."""
+    slots = per_sm * sm_count()
+    return programs / (cdiv(programs, slots) * slots) if programs else 1.0
 
 
 def _wave_util_of(p: MatmulProblem, programs: int) -> float:
@@ -272,10 +273,7 @@ def _wave_util_of(p: MatmulProblem, programs: int) -> float:
     fp32: 2048x512 over K=16384 in 128 64x128 tiles 1367 us (25 TFLOP/s), split in two over 512
     64x64 programs 786 (44); 4096x1024x4096 in 256 128x128 tiles 765 (45), 4096^3 in 1024 2878
     (48)."""
-    if p.dtypes[0] != "float32" or p.tf32:
-        return _wave_util(programs)
-    slots = 2 * sm_count()
-    return programs / (cdiv(programs, slots) * slots) if programs else 1.0
+    return _wave_util(programs, 2 if p.dtypes[0] == "float32" and not p.tf32 else 1)
 
 
 def _epilogue_constexprs(p: MatmulProblem) -> tuple:

@@ -52,8 +52,8 @@ from .problem import ConvProblem, Strides5, Triple, itemsize
 
 
 @triton.jit
-def _box_origin(box, OD, OH, OW, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
-    """Image and first output position (n, d0, h0, w0) of pixel box ``box`` (boxes run W fastest)."""
+def _box_origin(box, OD, OH, OW, BN_IMG: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
+    """First image and output position (n0, d0, h0, w0) of pixel box ``box`` (boxes run W fastest)."""
     boxes_w = tl.cdiv(OW, BW)
     boxes_h = tl.cdiv(OH, BH)
     boxes_d = tl.cdiv(OD, BD)
@@ -62,7 +62,7 @@ def _box_origin(box, OD, OH, OW, BD: tl.constexpr, BH: tl.constexpr, BW: tl.cons
     h0 = (rest % boxes_h) * BH
     rest = rest // boxes_h
     d0 = (rest % boxes_d) * BD
-    return rest // boxes_d, d0, h0, w0
+    return (rest // boxes_d) * BN_IMG, d0, h0, w0
 
 
 @triton.jit
@@ -75,11 +75,12 @@ def _boxed_kernel(
     o_n, o_c, o_d, o_h, o_w, s_bias, row_limit, programs,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    W_T: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    W_T: tl.constexpr, BN_IMG: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
-    """(BD x BH x BW pixels) x BLOCK_N output tiles of one group, ``programs`` programs walking
-    them. Grid: (programs, groups).
+    """(BN_IMG x BD x BH x BW pixels) x BLOCK_N output tiles of one group, ``programs`` programs
+    walking them. Grid: (programs, groups). A box spans BN_IMG images where the image is small:
+    boxes whose extents divide the output's waste no computed positions.
 
     src: [N, SD, SH, SW, C_ALL] at strides (s_n, s_d, s_h, s_w, 1), this group's channels
     [g * CK, (g + 1) * CK). w: [W_ROWS, W_K] (row stride ``w_row``), row = output column of any
@@ -89,16 +90,16 @@ def _boxed_kernel(
     ``o + off + t * dl`` per dimension; outputs (OD, OH, OW) at strides ``o_*``. FLATTEN: Triton
     pipelines the tile and K loops as one (the next tile's loads overlap this tile's epilogue).
     """
-    BM: tl.constexpr = BD * BH * BW
+    BM: tl.constexpr = BN_IMG * BD * BH * BW
     src_desc = tl.make_tensor_descriptor(
-        src_ptr, [N, SD, SH, SW, C_ALL], [s_n, s_d, s_h, s_w, 1], [1, BD, BH, BW, BLOCK_K]
+        src_ptr, [N, SD, SH, SW, C_ALL], [s_n, s_d, s_h, s_w, 1], [BN_IMG, BD, BH, BW, BLOCK_K]
     )
     if W_T:
         w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS, W_K], [w_row, 1], [BLOCK_K, BLOCK_N])
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS, W_K], [w_row, 1], [BLOCK_N, BLOCK_K])
     g = tl.program_id(1)
-    tiles_m = N * tl.cdiv(OD, BD) * tl.cdiv(OH, BH) * tl.cdiv(OW, BW)
+    tiles_m = tl.cdiv(N, BN_IMG) * tl.cdiv(OD, BD) * tl.cdiv(OH, BH) * tl.cdiv(OW, BW)
     tiles_n = tl.cdiv(NCOLS, BLOCK_N)
     k_blocks = tl.cdiv(CK, BLOCK_K)
     steps = TD * TH * TW * k_blocks
@@ -108,7 +109,7 @@ def _boxed_kernel(
     tile_done = tl.program_id(0) - programs
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
         pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
-        n, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BD, BH, BW)
+        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BN_IMG, BD, BH, BW)
         off_n = g * NCOLS + pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_N, BM), ACC)
         for i in range(steps):
@@ -118,7 +119,7 @@ def _boxed_kernel(
             th = (t // TW) % TH
             td = t // (TW * TH)
             box = src_desc.load(
-                [n, d0 + off_d + td * dl_d, h0 + off_h + th * dl_h, w0 + off_w + tw * dl_w, col0 + c0]
+                [n0, d0 + off_d + td * dl_d, h0 + off_h + th * dl_h, w0 + off_w + tw * dl_w, col0 + c0]
             )
             if W_T:
                 b = w_desc.load([col0 + c0, (TD * TH * TW - 1 - t) * NCOLS + pid_n * BLOCK_N]).T
@@ -127,13 +128,14 @@ def _boxed_kernel(
             acc = dot(b, box.reshape(BM, BLOCK_K).T, acc, PRECISION, UPCAST)
         tile_done += programs
         pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
-        n, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BD, BH, BW)
+        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BN_IMG, BD, BH, BW)
         pix = tl.arange(0, BM)
         ow = w0 + pix % BW
         oh = h0 + (pix // BW) % BH
-        od = d0 + pix // (BW * BH)
+        od = d0 + (pix // (BW * BH)) % BD
+        n = n0 + pix // (BW * BH * BD)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (od < OD) & (oh < OH) & (ow < OW)
+        ok = (n < N) & (od < OD) & (oh < OH) & (ow < OW)
         out_rows = tl.where(ok, n * o_n + od * o_d + oh * o_h + ow * o_w, row_limit)
         base = g * NCOLS * o_c
         y = apply_epilogue(
@@ -306,55 +308,76 @@ def boxed_reasons(p: ConvProblem) -> list[str]:
     return reasons
 
 
-def pixel_box(out_size: tuple[int, int, int], pixels: int) -> tuple[int, int, int]:
-    """(BD, BH, BW) with BD * BH * BW = pixels (powers of two) that wastes the fewest computed
-    positions past the output's edges; of equals, the widest rows."""
-    best: tuple[float, int, tuple[int, int, int]] | None = None
+Box = tuple[int, int, int, int]  # (images, BD, BH, BW)
+
+
+def pixel_box(batch: int, out_size: tuple[int, int, int], pixels: int) -> Box:
+    """(images, BD, BH, BW) with images * BD * BH * BW = pixels (powers of two) that wastes the
+    fewest computed positions past the output's edges; of equals, the fewest images, then the
+    widest rows. A box spans several images where that wastes less: at 7x7 one image's 8x8 box
+    fills 77%, 16 images' 1x8 rows 88%; at 14x14 and 28x28, 32 images' 2x2 and 16 images' 4x4
+    squares fill all (8x16 and 8x32 boxes: 77%)."""
+    best: tuple[float, int, int, Box] | None = None
     exps = int(math.log2(pixels))
-    for ew in range(exps + 1):
-        for eh in range(exps + 1 - ew):
-            box = (1 << (exps - ew - eh), 1 << eh, 1 << ew)
-            key = (box_use(out_size, box), box[2])
-            if best is None or key > best[:2]:
-                best = (*key, box)
+    for en in range(exps + 1):
+        for ew in range(exps + 1 - en):
+            for eh in range(exps + 1 - en - ew):
+                box = (1 << en, 1 << (exps - en - ew - eh), 1 << eh, 1 << ew)
+                key = (box_use(batch, out_size, box), -box[0], box[3])
+                if best is None or key > best[:3]:
+                    best = (*key, box)
     assert best is not None
-    return best[2]
+    return best[3]
 
 
-def box_use(out_size: tuple[int, int, int], box: tuple[int, int, int]) -> float:
+def box_use(batch: int, out_size: tuple[int, int, int], box: Box) -> float:
     """The share of a box's positions that fall inside the output."""
-    return math.prod(o / (cdiv(o, b) * b) for o, b in zip(out_size, box))
+    return math.prod(o / (cdiv(o, b) * b) for o, b in zip((batch, *out_size), box))
 
 
-def _fitted_pixels(out_size: tuple[int, int, int], pixels: int) -> int:
-    """``pixels``, or fewer (down to 64) where a smaller box wastes far fewer positions (a 7x7 output
-    fills 77% of an 8x8 box, 38% of an 8x16 one; at 56x56, 8x8 boxes fit exactly and 4x64 ones
-    fill 88%, yet were faster on an H100)."""
+def _fitted_pixels(batch: int, out_size: tuple[int, int, int], pixels: int) -> int:
+    """``pixels``, or fewer (down to 64) where a smaller box wastes far fewer positions."""
     options = [q for q in (pixels, pixels // 2, pixels // 4) if q >= 64] or [pixels]
-    uses = {q: box_use(out_size, pixel_box(out_size, q)) for q in options}
+    uses = {q: box_use(batch, out_size, pixel_box(batch, out_size, q)) for q in options}
     return next(q for q in options if uses[q] >= 0.8 * max(uses.values()))
 
 
-def _tiles(p: ConvProblem, cols: int) -> list[tuple[int, int, int, int]]:
+def _pixel_tiles(p: ConvProblem, geo: _Geometry, pixels: int) -> int:
+    """How many boxes of (about) ``pixels`` positions cover the output."""
+    pixels = _fitted_pixels(p.n, geo.out_size, pixels)
+    box = pixel_box(p.n, geo.out_size, pixels)
+    return math.prod(cdiv(size, b) for size, b in zip((p.n, *geo.out_size), box))
+
+
+def _tiles(p: ConvProblem, geo: _Geometry) -> list[tuple[int, int, int, int]]:
     """(pixels per tile, BLOCK_N, BLOCK_K, persistent programs a multiprocessor), the heuristic's
-    pick first. On an H100 (bf16, N=64,
-    ResNet-50's layers) the best tiles held 16K-32K accumulators with one program a
-    multiprocessor: 256 x 128, 128 x 256 (64 x 256 at 7x7, where one warp group ran 44 us against
-    two's 50). Where the forward's output has 64 channels, 128 x 64 tiles two programs a
-    multiprocessor (one's epilogue overlapping the other's loop) beat 256 x 64 ones alone: 3x3 64
-    @56 with bias and ReLU 76.5 -> 65.2 us, with a residual too 84.8 -> 70.0. Gradients keep
-    256 x 64: not measured apart from run-to-run noise with the shared tiles (1x1 64->256 dgrad +
-    wgrad swung 127-201 us with either set)."""
+    pick first. On an H100 (bf16, N=64, ResNet-50's layers, `scratch/fwd/images_sweep.py`):
+
+    - 64 output channels: 128 x 64 tiles two programs a multiprocessor (one's epilogue overlapping
+      the other's loop) beat 256 x 64 ones alone with bias and ReLU (3x3 64 @56: 76.5 -> 65.2 us);
+      gradients keep 256 x 64 (not told apart from run-to-run noise).
+    - Many tiles (two waves or more of 128 x 256): 128 x 256, one program a multiprocessor (1x1
+      64->256 @56: 52.7 us; 128 x 128 56.1).
+    - Otherwise 128 x 128, with two programs a multiprocessor where that takes a wave off: a
+      multiprocessor runs two tiles at once in 1.7 times one's time (3x3 256 @14, 196 tiles: two
+      a multiprocessor 38.5 us, one 44.5; 3x3 128 @28, 392 tiles: 41.4 and 38.4; 3x3 512 @7, 112
+      tiles: 51.8 and 41.1; 1x1 s2 1024->2048 @14, 448 tiles: 34.5 and 37.7).
+    """
     if p.dtype == "float32":
         return [(128, 128, 32, 1), (64, 128, 32, 1), (128, 64, 32, 1)]
-    # The shared 16-bit 128 x 64 tiles take 96 KB in 4 stages: two fit a multiprocessor.
-    narrow = (128, 64, 2) if p.direction == "fwd" else (256, 64, 1)
-    first = {64: narrow, 128: (256, 128, 1)}.get(max(64, 1 << (cols - 1).bit_length()), (128, 256, 1))
-    tiles: list[tuple[int, int, int, int]] = []
+    cols, sms = geo.cols, sm_count()
+    if cols <= 64:
+        first = (128, 64, 2) if p.direction == "fwd" else (256, 64, 1)
+    elif cols >= 256 and cdiv(cols, 256) * _pixel_tiles(p, geo, 128) >= 2 * sms:
+        first = (128, 256, 1)
+    else:
+        tiles = cdiv(cols, 128) * _pixel_tiles(p, geo, 128)
+        first = (128, 128, 2 if 1.7 * cdiv(tiles, 2 * sms) < cdiv(tiles, sms) else 1)
+    options: list[tuple[int, int, int, int]] = []
     for pixels, bn, per_sm in (first, (128, 128, 1), (128, 256, 1), (256, 128, 1), (256, 64, 1)):
-        if not any(t[:2] == (pixels, bn) for t in tiles) and bn <= max(64, 2 * cols):
-            tiles.append((pixels, bn, 64, per_sm))
-    return tiles
+        if not any(t[:2] == (pixels, bn) for t in options) and bn <= max(64, 2 * cols):
+            options.append((pixels, bn, 64, per_sm))
+    return options
 
 
 def _configs(p: ConvProblem) -> list[LaunchConfig]:
@@ -363,16 +386,19 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
     0.8-1.0x cuDNN on an H100."""
     geo = _Geometry(p)
     configs = []
-    for pixels, bn, bk, per_sm in [(16, 16, 16, 1)] if INTERPRET else _tiles(p, geo.cols):
+    for pixels, bn, bk, per_sm in [(16, 16, 16, 1)] if INTERPRET else _tiles(p, geo):
         if p.groups > 1:  # a K step must stay inside the group's channels
             bk = math.gcd(bk, geo.ck)
-        pixels = _fitted_pixels(geo.out_size, pixels)
-        bd, bh, bw = pixel_box(geo.out_size, pixels)
-        stage = (pixels + bn) * bk * itemsize(p.dtype)
+        else:  # no wider than the channels (a space-to-depth stem's 16)
+            bk = min(bk, max(16, 1 << (geo.ck - 1).bit_length()))
+        pixels = _fitted_pixels(p.n, geo.out_size, pixels)
+        images, bd, bh, bw = pixel_box(p.n, geo.out_size, pixels)
+        stage = (pixels + bn) * bk * itemsize(p.dtype) * per_sm
         configs.append(
-            {"BD": bd, "BH": bh, "BW": bw, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": True}
-            | {"PER_SM": per_sm, "num_warps": 8 if pixels * bn >= 32768 else 4}
-            | {"num_stages": 1 if INTERPRET else 4 if 4 * stage <= 160 * 1024 else 3}
+            {"IMAGES": images, "BD": bd, "BH": bh, "BW": bw, "BLOCK_N": bn, "BLOCK_K": bk}
+            | {"GROUP_M": 8, "PERSISTENT": True, "PER_SM": per_sm}
+            | {"num_warps": 8 if pixels * bn >= 32768 else 4}
+            | {"num_stages": 1 if INTERPRET else 4 if 4 * stage <= 200 * 1024 else 3}
         )
     return [configs[0], {**configs[0], "PERSISTENT": False}, *configs[1:]]
 
@@ -380,9 +406,9 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
 def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -> Callable[..., None]:
     geo = _Geometry(p)
     view = _source_view(p, geo)
-    bd, bh, bw, bn = config["BD"], config["BH"], config["BW"], config["BLOCK_N"]
+    images, bd, bh, bw, bn = (config[k] for k in ("IMAGES", "BD", "BH", "BW", "BLOCK_N"))
     od, oh, ow = geo.out_size
-    tiles = p.n * cdiv(od, bd) * cdiv(oh, bh) * cdiv(ow, bw) * cdiv(geo.cols, bn)
+    tiles = cdiv(p.n, images) * cdiv(od, bd) * cdiv(oh, bh) * cdiv(ow, bw) * cdiv(geo.cols, bn)
     programs = min(tiles, config["PER_SM"] * sm_count()) if config["PERSISTENT"] else tiles
     ints = (
         p.n,
@@ -415,6 +441,7 @@ def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -
             precision,
             upcast,
             geo.w_transposed,
+            images,
             bd,
             bh,
             bw,
@@ -454,10 +481,10 @@ def _bind(p: ConvProblem, config: LaunchConfig, fallback: Callable[..., None]) -
 
 def _cost(p: ConvProblem) -> float:
     geo = _Geometry(p)
-    bn = _tiles(p, geo.cols)[0][1]
+    bn = _tiles(p, geo)[0][1]
     col_eff = geo.cols / (cdiv(geo.cols, bn) * bn)
     k_eff = geo.ck / (cdiv(geo.ck, 64) * 64) if geo.ck >= 64 else 0.6
-    use = box_use(geo.out_size, pixel_box(geo.out_size, _fitted_pixels(geo.out_size, 128)))
+    use = box_use(p.n, geo.out_size, pixel_box(p.n, geo.out_size, _fitted_pixels(p.n, geo.out_size, 128)))
     # On an H100 (bf16, ResNet-50's layers) 1.2-1.8x the gathered implicit GEMM's speed, wasted
     # positions included; that engine's cost counts 0.75 of the peak.
     cost = roofline(p.flops, p.bytes, peak(p), min(1.0, 1.1 * col_eff * k_eff * use), 0.75) + 4.0

@@ -368,6 +368,9 @@ BOXED_CASES = [
     ((2, 16, 9, 10), 8, (3, 3), 2, 2, 2, 1),
     ((2, 16, 11), 16, (5,), 1, 2, 1, 1),
     ((1, 16, 4, 5, 6), 16, (3, 3, 3), 1, 1, 1, 1),
+    # Small images: a box spans several, the last box partly past the batch.
+    ((3, 16, 2, 2), 16, (3, 3), 1, 1, 1, 1),
+    ((5, 8, 3), 16, (3,), 1, 1, 1, 1),
 ]
 
 
@@ -432,6 +435,64 @@ def test_boxed_gemm_not_supported_and_heuristic():
     for weights, padding, engine in ((w, 1, "boxed_gemm"), (w[:, :, :1, :1], 0, "implicit_gemm")):
         chosen = {r.name for r in tdnn.engines("conv", x, weights, None, 1, padding) if r.chosen}
         assert chosen == {engine}
+
+
+# (shape, cout, kernel, stride, padding): strided convolutions with few input channels for the
+# space-to-depth engine: the ResNet stem's form, uneven strides and kernels not multiples of them,
+# z padded to 16-byte pixels (3 x 2 strides, 3 channels: 36 channels, padded to 40), 1-D and 3-D.
+SPACE_TO_DEPTH_CASES = [
+    ((2, 3, 17, 19), 16, (7, 7), 2, 3),
+    ((2, 4, 11, 10), 8, (5, 3), (2, 3), (2, 1)),
+    ((2, 3, 11, 10), 8, (3, 3), (3, 2), 1),
+    ((1, 2, 9, 9), 8, (3, 3), 2, 0),
+    ((3, 3, 21), 8, (7,), 2, 3),
+    ((2, 3, 5, 9, 8), 8, (3, 3, 3), 2, 1),
+]
+
+
+@pytest.mark.parametrize("layout_name", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("case", SPACE_TO_DEPTH_CASES, ids=str)
+def test_space_to_depth(case, layout_name, poison):
+    """A strided convolution as the stride-1 one over a space-to-depth copy of x, with the fused
+    epilogue, in either layout."""
+    shape, cout, kernel, stride, padding = case
+    nd = len(shape) - 2
+    x = layout(torch.randn(shape, device=DEVICE), layout_name).half()
+    w = (torch.randn(cout, shape[1], *kernel, device=DEVICE) / 3).half()
+    b = torch.randn(cout, device=DEVICE).half()
+    st = (stride,) * nd if isinstance(stride, int) else stride
+    ref_pre = conv_reference(x, w, b, st, pairs(padding, nd), (1,) * nd, 1)
+    r = layout(torch.randn(ref_pre.shape, device=DEVICE), layout_name).half()
+    epi = Epilogue(activation="relu", residual=True)
+    y = FNS[nd](x, w, b, stride, padding, 1, 1, algo="space_to_depth", epilogue=epi, residual=r)
+    assert (y.stride(1) == 1) == (layout_name == "channels_last"), "the output keeps the input's layout"
+    ref = F.relu(ref_pre) + r.double()
+    torch_out = (F.relu(torch_conv(x, w, b, stride, padding, (1,) * nd, 1).float()) + r.float()).half()
+    assert_close(y, ref, torch_out, f"space_to_depth {case}")
+
+
+def test_space_to_depth_not_supported_and_heuristic():
+    x = layout(torch.randn(2, 3, 16, 16, device=DEVICE), "channels_last").half()
+    w = torch.randn(9, 3, 3, 3, device=DEVICE).half()
+    for kwargs, reason in (
+        ({}, "stride > 1"),
+        ({"stride": 2, "dilation": 2}, "dilation 1"),
+        ({"stride": 2, "groups": 3, "weight": w[:, :1]}, "groups == 1"),
+    ):
+        weight = kwargs.pop("weight", w)
+        with pytest.raises(tdnn.NotSupportedError, match=reason):
+            conv.conv2d(x, weight, algo="space_to_depth", **kwargs)
+    wide = layout(torch.randn(2, 32, 16, 16, device=DEVICE), "channels_last").half()
+    with pytest.raises(tdnn.NotSupportedError, match="at most 64"):
+        conv.conv2d(wide, torch.randn(9, 32, 3, 3, device=DEVICE).half(), stride=2, algo="space_to_depth")
+    with pytest.raises(tdnn.NotSupportedError, match="fp16, bf16"):
+        conv.conv2d(x.float(), w.float(), stride=2, algo="space_to_depth")
+    # The heuristic takes it for ResNet-50's stem in 16-bit, either layout (described, never run).
+    w7 = torch.empty(64, 3, 7, 7, device=DEVICE, dtype=torch.half)
+    for name in ("channels_last", "contiguous"):
+        x = layout(torch.empty(64, 3, 224, 224, device=DEVICE, dtype=torch.half), name)
+        chosen = {r.name for r in tdnn.engines("conv", x, w7, None, 2, 3) if r.chosen}
+        assert chosen == {"space_to_depth"}, name
 
 
 def test_descriptor_engines_fall_back_on_a_misaligned_base():

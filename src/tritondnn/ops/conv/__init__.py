@@ -17,7 +17,9 @@ Engines (``tdnn.engines("conv", x, w, ...)`` lists them with their reasons): ``i
 ``boxed_gemm`` (Hopper, channels-last: image tiles as tensor-descriptor boxes, the padding filled
 by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``depthwise_rows`` (channels-last
 1-D/2-D, multiplier 1: image rows streamed with the taps unrolled), ``winograd`` (F(2x2, 3x3)),
-``fft``, ``gemm_1x1`` (1x1 channels-last, one group, no padding: one ``tdnn.matmul`` product);
+``fft``, ``gemm_1x1`` (1x1 channels-last, one group, no padding: one ``tdnn.matmul`` product),
+``space_to_depth`` (Hopper, 16-bit, strided with few input channels, as a stem: the stride-1
+boxed GEMM over a space-to-depth copy of x);
 the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
 ``depthwise``, ``depthwise_rows`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
 ``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
@@ -25,9 +27,10 @@ by a constant), ``row_window`` (channels-last with few input channels, as a stem
 taps and channels are one contiguous run of the image row), ``depthwise`` and ``gemm_1x1``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``boxed``, ``shifted``, ``window``, ``gemm``, ``depthwise``, ``winograd``, ``fft``,
-``plans`` (per-shape plans, torch.library ops), ``autograd``, ``eager`` (the eager fast path:
-calls seen before skip the checks), ``reference``; this module holds the public functions.
+``engines``, ``boxed``, ``spacedepth``, ``shifted``, ``window``, ``gemm``, ``depthwise``,
+``winograd``, ``fft``, ``plans`` (per-shape plans, torch.library ops), ``autograd``, ``eager``
+(the eager fast path: calls seen before skip the checks), ``reference``; this module holds the
+public functions.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from . import eager
 from . import fft as _fft  # noqa: F401
 from . import gemm as _gemm  # noqa: F401
 from . import shifted as _shifted  # noqa: F401
+from . import spacedepth as _spacedepth  # noqa: F401
 from . import window as _window  # noqa: F401
 from . import winograd as _winograd  # noqa: F401
 from .args import (
@@ -227,7 +231,7 @@ _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, 
 
 _ENGINES = (
     "'implicit_gemm', 'boxed_gemm', 'im2col_gemm', 'depthwise', 'depthwise_rows', 'winograd', 'fft', "
-    "'gemm_1x1'"
+    "'gemm_1x1', 'space_to_depth'"
 )
 
 

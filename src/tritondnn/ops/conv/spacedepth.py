@@ -1,0 +1,218 @@
+"""Strided convolutions with few input channels (the 7x7 stride-2 stem of ResNets) as stride-1
+convolutions over a space-to-depth copy of x, on the boxed GEMM.
+
+A stride-s convolution reads x at ``s * o + t - pad`` for output o and tap t. With t = s * a + b
+(0 <= b < s) that is ``s * (o + a) + b - pad``; so with
+
+    z[n, (b, c), i] = x[n, c, s * i + b - pad]   (zero outside x)
+
+the convolution is a stride-1, unpadded one over z, with ceil(k / s) taps and s * C channels per
+dimension, of the weights ``w'[co, (b, c), a] = w[co, c, s * a + b]`` (zero for s * a + b >= k).
+The stem (3 channels, 7x7, stride 2, padding 3) becomes a 4x4 convolution over 16 channels (12,
+padded to 16-byte pixels) at 115x115: the boxed GEMM takes it, its descriptor boxes loading
+whole tiles with no gathers, which x itself rules out (6-byte pixels; stride-2 taps at odd
+offsets). The price: 16 * 16 = 256 products an output against the direct algorithm's 147, and z
+written and read once (27 MB for the stem at N=64, against y's 103 MB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ...core.engine import Engine, LaunchConfig
+from ...core.launcher import cdiv, launcher
+from . import boxed
+from .engines import FAMILY, channels_last_strides, peak, roofline
+from .problem import ConvProblem, itemsize
+
+# Space-to-depth channels past this and the channels-last x has runs enough for the boxed GEMM's
+# K steps as it stands (or the gathered implicit GEMM's).
+MAX_CHANNELS = 64
+
+
+@triton.jit
+def _space_to_depth_kernel(
+    x_ptr, z_ptr, ROWS, C, ID, IH, IW, ZD, ZH, ZW, RUN, PAD_C, x_n, x_c, x_d, x_h, x_w,
+    SD, SH, SW, PD, PH, PW,
+    INDEX_64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """z (dense channels-last, SD * SH * RUN + PAD_C channels a pixel) from x at strides ``x_*``.
+
+    A z pixel (n, i_d, i_h, i_w) holds SD * SH runs (b_d, b_h) of RUN = WINDOW * C elements,
+    element r = j * C + c of run (b_d, b_h) being x[n, c, SD * i_d + b_d - PD, SH * i_h + b_h - PH,
+    SW * i_w + j - PW] (zero outside x), then PAD_C zeros. A program fills BLOCK_Q of the ROWS
+    (pixel, run) pairs. (For a channels-last x a run is one stretch of x; loading it as such, its
+    offsets visibly contiguous, ran slower on an H100: 186 us against 130 for the stem.)
+    """
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    if INDEX_64:
+        q = q.to(tl.int64)
+    runs = SD * SH
+    b = q % runs
+    pix = q // runs
+    iw = pix % ZW
+    rest = pix // ZW
+    ih = rest % ZH
+    rest = rest // ZH
+    i_d = rest % ZD
+    n = rest // ZD
+    d = i_d * SD + b // SH - PD
+    h = ih * SH + b % SH - PH
+    w0 = iw * SW - PW
+    row_ok = (q < ROWS) & (d >= 0) & (d < ID) & (h >= 0) & (h < IH)
+    r = tl.arange(0, BLOCK_R)
+    base = n * x_n + d * x_d + h * x_h
+    w = w0[:, None] + (r // C)[None, :]
+    ok = row_ok[:, None] & (r < RUN)[None, :] & (w >= 0) & (w < IW)
+    src = x_ptr + base[:, None] + (r % C)[None, :] * x_c + w * x_w
+    values = tl.load(src, mask=ok, other=0)
+    # The last run of a pixel also writes the pixel's PAD_C zero channels.
+    width = RUN + tl.where(b == runs - 1, PAD_C, 0)
+    dst = z_ptr + (pix * (runs * RUN + PAD_C) + b * RUN)[:, None] + r[None, :]
+    tl.store(dst, values, mask=(q < ROWS)[:, None] & (r[None, :] < width[:, None]))
+
+
+def _window(p: ConvProblem) -> int:
+    """The W positions of x a z pixel holds: ceil(KW / SW) taps of SW positions each."""
+    return cdiv(p.kernel[2], p.stride[2]) * p.stride[2]
+
+
+def _z_channels(p: ConvProblem) -> tuple[int, int]:
+    """z's channels (b_d, b_h, W position, c), and that rounded up to 16-byte pixel steps."""
+    channels = p.stride[0] * p.stride[1] * _window(p) * p.cin
+    per_pixel = 16 // itemsize(p.dtype)
+    return channels, cdiv(channels, per_pixel) * per_pixel
+
+
+def stride_one_problem(p: ConvProblem) -> ConvProblem:
+    """The stride-1, unpadded convolution over z that equals ``p`` (taps along D and H only)."""
+    kd, kh = (cdiv(k, s) for k, s in zip(p.kernel[:2], p.stride[:2]))
+    od, oh, ow = p.out_size
+    zc = _z_channels(p)[1]
+    z_size = (od + kd - 1, oh + kh - 1, ow)
+    return dataclasses.replace(
+        p,
+        cin=zc,
+        in_size=z_size,
+        kernel=(kd, kh, 1),
+        stride=(1, 1, 1),
+        pad=(0, 0, 0),
+        x_strides=channels_last_strides(zc, z_size),
+        w_strides=(kd * kh * zc, 1, kh * zc, zc, zc),
+    )
+
+
+def _weight_index(p: ConvProblem) -> torch.Tensor:
+    """For each column (a_d, a_h, c') of z's weight matrix [Cout, taps' * C'], the column of w's
+    [Cout, C * taps] it copies, or C * taps (a zero appended to each row) where it has none."""
+    s, k = p.stride, p.kernel
+    kd, kh = (cdiv(ki, si) for ki, si in zip(k[:2], s[:2]))
+    window = _window(p)
+    index = torch.full((kd, kh, _z_channels(p)[1]), p.cin * p.taps, dtype=torch.long)
+    for a_d, a_h, b_d, b_h, t_w in torch.cartesian_prod(
+        *(torch.arange(n) for n in (kd, kh, s[0], s[1], min(k[2], window)))
+    ).tolist():
+        t_d, t_h = s[0] * a_d + b_d, s[1] * a_h + b_h
+        if t_d < k[0] and t_h < k[1]:
+            tap = (t_d * k[1] + t_h) * k[2] + t_w
+            first = ((b_d * s[1] + b_h) * window + t_w) * p.cin
+            index[a_d, a_h, first : first + p.cin] = torch.arange(p.cin) * p.taps + tap
+    return index.flatten()
+
+
+def space_to_depth_reasons(p: ConvProblem) -> list[str]:
+    reasons = boxed.descriptor_reasons(p)
+    if p.stride == (1, 1, 1):
+        reasons.append("needs a stride > 1")
+    if p.groups != 1:
+        reasons.append(f"needs groups == 1 (got {p.groups})")
+    if p.dilation != (1, 1, 1):
+        reasons.append(f"needs dilation 1 (got {p.dilation[3 - p.nd :]})")
+    if _z_channels(p)[1] > MAX_CHANNELS:
+        reasons.append(
+            f"ceil(KW / stride) * stride^d * channels at most {MAX_CHANNELS} (got "
+            f"{_z_channels(p)[0]}): wider inputs have runs of channels enough to be read in place"
+        )
+    if not reasons:
+        q = stride_one_problem(p)
+        if q.index_64:
+            reasons.append("the space-to-depth copy spans 2**31 elements or more")
+        reasons += boxed.boxed_reasons(q)
+    return reasons
+
+
+@FAMILY.register
+class SpaceToDepthEngine(Engine[ConvProblem]):
+    """Strided convolutions with few input channels: a space-to-depth copy of x, then the boxed
+    GEMM's stride-1 convolution over it (Hopper, 16-bit)."""
+
+    name = "space_to_depth"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return space_to_depth_reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        # Measured, H100, the stem (N=64, bf16): the copy 130 us for its 98 MB (x read, z
+        # written), the boxed GEMM over z at 0.4 of the peak (107 us for 26 GFLOP).
+        q = stride_one_problem(problem)
+        copy = (problem.in_pixels * problem.cin + q.in_pixels * q.cin) * itemsize(q.dtype)
+        return roofline(q.flops, q.bytes, peak(q), 0.4, 0.75) + roofline(0, copy, 1.0, 1.0, 0.25) + 8.0
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        """The boxed GEMM's tiles over z, 256-pixel ones first where the output has at most 64
+        channels (the stem: 256 x 64 tiles one a multiprocessor 10-20 us ahead of 128 x 64 ones
+        two a multiprocessor)."""
+        q = stride_one_problem(problem)
+        configs = boxed.BoxedGemmEngine().configs(q)
+        wide = [c for c in configs if c["IMAGES"] * c["BD"] * c["BH"] * c["BW"] == 256 and c["BLOCK_N"] == 64]
+        if q.cout <= 64 and wide:
+            configs.remove(wide[0])
+            configs.insert(0, wide[0])
+        return configs
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p, q = problem, stride_one_problem(problem)
+        gemm = boxed.BoxedGemmEngine().bind(q, config)
+        run = _window(p) * p.cin
+        rows = q.in_pixels * p.stride[0] * p.stride[1]
+        block_r = 1 << (run + q.cin - _z_channels(p)[0] - 1).bit_length()
+        block_q = max(1, 4096 // block_r)
+        stage = launcher(
+            _space_to_depth_kernel,
+            (cdiv(rows, block_q),),
+            num_tensors=2,
+            ints=(
+                rows,
+                p.cin,
+                *p.in_size,
+                *q.in_size,
+                run,
+                q.cin - _z_channels(p)[0],
+                *p.x_strides,
+                *p.stride,
+                *p.pad,
+            ),
+            constexprs=(q.index_64, block_q, block_r),
+        )
+        index_cpu = _weight_index(p)
+        indices: dict[torch.device, torch.Tensor] = {}
+        z_numel = q.in_pixels * q.cin
+        dtype = getattr(torch, p.dtype)
+
+        def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *rest: Any) -> None:
+            index = indices.get(w.device)
+            if index is None:
+                index = indices[w.device] = index_cpu.to(w.device)
+            wz = F.pad(w.reshape(p.cout, -1), (0, 1))[:, index]
+            z = torch.empty(z_numel, dtype=dtype, device=x.device)
+            stage(x, z)
+            gemm(z, wz, out, *rest)
+
+        return run

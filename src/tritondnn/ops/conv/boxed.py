@@ -393,12 +393,15 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
             bk = min(bk, max(16, 1 << (geo.ck - 1).bit_length()))
         pixels = _fitted_pixels(p.n, geo.out_size, pixels)
         images, bd, bh, bw = pixel_box(p.n, geo.out_size, pixels)
-        stage = (pixels + bn) * bk * itemsize(p.dtype) * per_sm
+        stage = (pixels + bn) * bk * itemsize(p.dtype)
+        # Shared memory a program: 160 KB leaves the epilogue's layout conversions room (128 x 256
+        # tiles in 4 stages with a channels-first output asked 262 KB); two a multiprocessor, 100.
+        budget = (160 if per_sm == 1 else 100) * 1024
         configs.append(
             {"IMAGES": images, "BD": bd, "BH": bh, "BW": bw, "BLOCK_N": bn, "BLOCK_K": bk}
             | {"GROUP_M": 8, "PERSISTENT": True, "PER_SM": per_sm}
             | {"num_warps": 8 if pixels * bn >= 32768 else 4}
-            | {"num_stages": 1 if INTERPRET else 4 if 4 * stage <= 200 * 1024 else 3}
+            | {"num_stages": 1 if INTERPRET else 4 if 4 * stage <= budget else 3}
         )
     return [configs[0], {**configs[0], "PERSISTENT": False}, *configs[1:]]
 

@@ -30,6 +30,7 @@ from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from . import boxed
 from .engines import FAMILY, channels_last_strides, peak, roofline
+from .kernels import output_pixel
 from .problem import ConvProblem, itemsize
 
 # Space-to-depth channels past this and the channels-last x has runs enough for the boxed GEMM's
@@ -59,12 +60,7 @@ def _space_to_depth_kernel(
     runs = SD * SH
     b = q % runs
     pix = q // runs
-    iw = pix % ZW
-    rest = pix // ZW
-    ih = rest % ZH
-    rest = rest // ZH
-    i_d = rest % ZD
-    n = rest // ZD
+    n, i_d, ih, iw = output_pixel(pix, ZD, ZH, ZW)
     d = i_d * SD + b // SH - PD
     h = ih * SH + b % SH - PH
     w0 = iw * SW - PW

@@ -3,6 +3,8 @@ through every convolution and its fused epilogue, gradcheck in fp64, determinism
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from tritondnn.ops import conv
 from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
 from tritondnn.ops.conv.engines import wgrad_staged as staged
 from tritondnn.ops.conv.problem import channels_last as is_channels_last
+from tritondnn.ops.conv.spacedepth import SpaceToDepthDgradEngine
 from tritondnn.ops.epilogue import Epilogue
 
 FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
@@ -371,3 +374,37 @@ def test_few_channel_data_gradients_take_the_folded_gemm():
 
     assert chosen(3, 64, 7, 2, 3, 224) == "im2col_gemm"
     assert chosen(64, 64, 3, 1, 1, 56) != "im2col_gemm"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((2, 3, 17, 19), 16, (7, 7), (2, 2), ((3, 3), (3, 3)), (1, 1), 1),
+        ((2, 4, 11, 10), 8, (5, 3), (2, 3), ((2, 2), (1, 1)), (1, 1), 1),
+        ((2, 3, 11, 10), 8, (3, 3), (3, 2), ((1, 1), (1, 1)), (1, 1), 1),
+        ((3, 3, 21), 8, (7,), (2,), ((3, 3),), (1,), 1),
+        ((2, 3, 5, 9, 8), 8, (3, 3, 3), (2, 2, 2), ((1, 1),) * 3, (1, 1, 1), 1),
+    ],
+    ids=str,
+)
+def test_space_to_depth_dgrad(case, poison):
+    """The data gradient of a strided few-channel convolution (fp16, channels-last dy): the boxed
+    GEMM's data gradient over the space-to-depth copy z, each x element's copies in z summed."""
+    shape, _, _, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case, torch.float16, last=True)
+    rx, _ = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    torch_dx = torch.ops.aten.convolution_backward(
+        dy.float(), x.float(), w.float(), None, stride, [p[0] for p in pads], dilation, False,
+        [0] * len(stride), groups, [True, False, False],
+    )[0].half()  # fmt: skip
+    dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo="space_to_depth")
+    assert is_channels_last(dx) or len(shape) == 3
+    assert_close(dx, rx, torch_dx, f"space_to_depth dgrad {case}")
+    with pytest.raises(tdnn.NotSupportedError, match="channels-last"):
+        conv.conv_backward_data(
+            dy.contiguous(), w, x.shape, stride, pads, dilation, groups, algo="space_to_depth"
+        )
+    problem = conv.describe_dgrad(dy, w, x.shape, stride, pads, dilation, groups)
+    assert not SpaceToDepthDgradEngine().not_supported_reasons(problem)
+    fused = dataclasses.replace(problem, activation=0)
+    assert "no fused epilogue" in SpaceToDepthDgradEngine().not_supported_reasons(fused)

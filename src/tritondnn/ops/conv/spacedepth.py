@@ -29,7 +29,7 @@ import triton.language as tl
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from . import boxed
-from .engines import FAMILY, channels_last_strides, peak, roofline
+from .engines import DGRAD_FAMILY, FAMILY, channels_last_strides, peak, roofline
 from .kernels import output_pixel
 from .problem import ConvProblem, itemsize
 
@@ -77,6 +77,38 @@ def _space_to_depth_kernel(
     else:  # the last run of a pixel also writes the pixel's PAD_C zero channels
         in_run = r[None, :] < (RUN + tl.where(b == runs - 1, PAD_C, 0))[:, None]
     tl.store(dst, values, mask=(q < ROWS)[:, None] & in_run)
+
+
+@triton.jit
+def _depth_to_space_kernel(
+    dz_ptr, dx_ptr, PIXELS, ID, IH, IW, ZD, ZH, ZW, x_n, x_c, x_d, x_h, x_w, PD, PH, PW,
+    C: tl.constexpr, RUN: tl.constexpr, PAD_C: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The adjoint of ``_space_to_depth_kernel``: dx[n, c, d, h, w] (at strides ``x_*``) = the sum
+    of the z gradient's elements that copied x[n, c, d, h, w], for BLOCK_P of its PIXELS pixels.
+    An element of x sits in one (b_d, b_h) run of each of up to RUN / (C * SW) z pixels along W."""
+    pix = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if INDEX_64:
+        pix = pix.to(tl.int64)
+    n, d, h, w = output_pixel(pix, ID, IH, IW)
+    i_d = (d + PD) // SD
+    i_h = (h + PH) // SH
+    run0 = (((d + PD) % SD) * SH + (h + PH) % SH) * RUN + ((w + PW) % SW) * C
+    row_ok = (pix < PIXELS) & (i_d < ZD) & (i_h < ZH)
+    c = tl.arange(0, BLOCK_C)
+    acc = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
+    for t in tl.static_range(RUN // (C * SW)):
+        i_w = (w + PW) // SW - t
+        ok = row_ok & (i_w >= 0) & (i_w < ZW)
+        src = ((n * ZD + i_d) * ZH + i_h) * ZW + i_w
+        src = src * (SD * SH * RUN + PAD_C) + run0 + t * SW * C
+        acc += tl.load(dz_ptr + src[:, None] + c[None, :], mask=ok[:, None] & (c < C)[None, :], other=0).to(
+            tl.float32
+        )
+    dst = dx_ptr + (n * x_n + d * x_d + h * x_h + w * x_w)[:, None] + c[None, :] * x_c
+    tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=(pix < PIXELS)[:, None] & (c < C)[None, :])
 
 
 def _window(p: ConvProblem) -> int:
@@ -180,29 +212,102 @@ class SpaceToDepthEngine(Engine[ConvProblem]):
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
         p, q = problem, stride_one_problem(problem)
         gemm = boxed.BoxedGemmEngine().bind(q, config)
-        run = _window(p) * p.cin
-        rows = q.in_pixels * p.stride[0] * p.stride[1]
-        block_r = 1 << (run + q.cin - _z_channels(p)[0] - 1).bit_length()
-        block_q = max(1, 4096 // block_r)
-        stage = launcher(
-            _space_to_depth_kernel,
-            (cdiv(rows, block_q),),
-            num_tensors=2,
-            ints=(rows, *p.in_size, *q.in_size, *p.x_strides, *p.pad),
-            constexprs=(p.cin, run, q.cin - _z_channels(p)[0], *p.stride, q.index_64, block_q, block_r),
-        )
-        index_cpu = _weight_index(p)
-        indices: dict[torch.device, torch.Tensor] = {}
-        z_numel = q.in_pixels * q.cin
-        dtype = getattr(torch, p.dtype)
+        stage, pack = _stager(p, q), _weight_packer(p)
 
         def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *rest: Any) -> None:
-            index = indices.get(w.device)
-            if index is None:
-                index = indices[w.device] = index_cpu.to(w.device)
-            wz = F.pad(w.reshape(p.cout, -1), (0, 1))[:, index]
-            z = torch.empty(z_numel, dtype=dtype, device=x.device)
-            stage(x, z)
-            gemm(z, wz, out, *rest)
+            gemm(stage(x), pack(w), out, *rest)
 
         return run
+
+
+@DGRAD_FAMILY.register
+class SpaceToDepthDgradEngine(Engine[ConvProblem]):
+    """The data gradient of a strided convolution with few input channels: the boxed GEMM's data
+    gradient of the stride-1 convolution over z, then each x element's z copies summed."""
+
+    name = "space_to_depth"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        p = problem
+        reasons = space_to_depth_reasons(p)
+        if p.bias or p.has_c or p.residual or p.activation != -1 or p.store_pre:
+            reasons.append("no fused epilogue")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        # As the forward's: the GEMM at 0.4 of the peak, z's gradient written and read once more.
+        q = stride_one_problem(problem)
+        traffic = (2 * q.in_pixels * q.cin + problem.in_pixels * problem.cin) * itemsize(q.dtype)
+        return roofline(q.flops, q.bytes, peak(q), 0.4, 0.75) + roofline(0, traffic, 1.0, 1.0, 0.6) + 8.0
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return boxed.BoxedGemmDgradEngine().configs(stride_one_problem(problem))
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p, q = problem, stride_one_problem(problem)
+        gemm = boxed.BoxedGemmDgradEngine().bind(q, config)
+        unstage, pack = _unstager(p, q), _weight_packer(p)
+        dz_numel = q.in_pixels * q.cin
+
+        def run(dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor, *rest: Any) -> None:
+            dz = torch.empty(dz_numel, dtype=dx.dtype, device=dx.device)
+            gemm(dy, pack(w), dz, *rest)
+            unstage(dz, dx)
+
+        return run
+
+
+def _z_constexprs(p: ConvProblem, q: ConvProblem) -> tuple:
+    """C, RUN, PAD_C, SD, SH, SW, INDEX_64 of the copy kernels."""
+    return (p.cin, _window(p) * p.cin, q.cin - _z_channels(p)[0], *p.stride, q.index_64)
+
+
+def _stager(p: ConvProblem, q: ConvProblem) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> z (flat, dense channels-last)."""
+    run = _window(p) * p.cin
+    rows = q.in_pixels * p.stride[0] * p.stride[1]
+    block_r = 1 << (run + q.cin - _z_channels(p)[0] - 1).bit_length()
+    block_q = max(1, 4096 // block_r)
+    launch = launcher(
+        _space_to_depth_kernel,
+        (cdiv(rows, block_q),),
+        num_tensors=2,
+        ints=(rows, *p.in_size, *q.in_size, *p.x_strides, *p.pad),
+        constexprs=(*_z_constexprs(p, q), block_q, block_r),
+    )
+    numel = q.in_pixels * q.cin
+    dtype = getattr(torch, p.dtype)
+
+    def stage(x: torch.Tensor) -> torch.Tensor:
+        z = torch.empty(numel, dtype=dtype, device=x.device)
+        launch(x, z)
+        return z
+
+    return stage
+
+
+def _unstager(p: ConvProblem, q: ConvProblem) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """(z's gradient, dx): dx written through its strides."""
+    block_c = 1 << (p.cin - 1).bit_length()
+    block_p = max(1, 2048 // block_c)
+    return launcher(
+        _depth_to_space_kernel,
+        (cdiv(p.in_pixels, block_p),),
+        num_tensors=2,
+        ints=(p.in_pixels, *p.in_size, *q.in_size, *p.x_strides, *p.pad),
+        constexprs=(*_z_constexprs(p, q), block_p, block_c),
+    )
+
+
+def _weight_packer(p: ConvProblem) -> Callable[[torch.Tensor], torch.Tensor]:
+    """w -> z's weight matrix [Cout, taps' * C'] (a gather of w's columns and zeros)."""
+    index_cpu = _weight_index(p)
+    indices: dict[torch.device, torch.Tensor] = {}
+
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        index = indices.get(w.device)
+        if index is None:
+            index = indices[w.device] = index_cpu.to(w.device)
+        return F.pad(w.reshape(p.cout, -1), (0, 1))[:, index]
+
+    return pack

@@ -81,34 +81,38 @@ def _space_to_depth_kernel(
 
 @triton.jit
 def _depth_to_space_kernel(
-    dz_ptr, dx_ptr, PIXELS, ID, IH, IW, ZD, ZH, ZW, x_n, x_c, x_d, x_h, x_w, PD, PH, PW,
+    dz_ptr, dx_ptr, GROUPS, ID, IH, IW, ZD, ZH, ZW, GW, x_n, x_c, x_d, x_h, x_w, PD, PH, PW,
     C: tl.constexpr, RUN: tl.constexpr, PAD_C: tl.constexpr,
     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    INDEX_64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    INDEX_64: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """The adjoint of ``_space_to_depth_kernel``: dx[n, c, d, h, w] (at strides ``x_*``) = the sum
-    of the z gradient's elements that copied x[n, c, d, h, w], for BLOCK_P of its PIXELS pixels.
-    An element of x sits in one (b_d, b_h) run of each of up to RUN / (C * SW) z pixels along W."""
-    pix = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    of the z gradient's elements that copied x[n, c, d, h, w].
+
+    A program takes BLOCK_G of the GROUPS groups (n, d, h, g) of SW consecutive x positions along
+    W, w = g * SW - PW + e // C for e = local * C + c: the group's SW * C elements are one
+    contiguous run of each of the RUN / (C * SW) z pixels g - t that hold it (at run offset
+    SW * t * C), so loads come in runs of SW * C elements."""
+    grp = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     if INDEX_64:
-        pix = pix.to(tl.int64)
-    n, d, h, w = output_pixel(pix, ID, IH, IW)
+        grp = grp.to(tl.int64)
+    n, d, h, g = output_pixel(grp, ID, IH, GW)
     i_d = (d + PD) // SD
     i_h = (h + PH) // SH
-    run0 = (((d + PD) % SD) * SH + (h + PH) % SH) * RUN + ((w + PW) % SW) * C
-    row_ok = (pix < PIXELS) & (i_d < ZD) & (i_h < ZH)
-    c = tl.arange(0, BLOCK_C)
-    acc = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
+    run0 = (((d + PD) % SD) * SH + (h + PH) % SH) * RUN
+    row_ok = (grp < GROUPS) & (i_d < ZD) & (i_h < ZH)
+    e = tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_G, BLOCK_E), tl.float32)
     for t in tl.static_range(RUN // (C * SW)):
-        i_w = (w + PW) // SW - t
+        i_w = g - t
         ok = row_ok & (i_w >= 0) & (i_w < ZW)
-        src = ((n * ZD + i_d) * ZH + i_h) * ZW + i_w
-        src = src * (SD * SH * RUN + PAD_C) + run0 + t * SW * C
-        acc += tl.load(dz_ptr + src[:, None] + c[None, :], mask=ok[:, None] & (c < C)[None, :], other=0).to(
-            tl.float32
-        )
-    dst = dx_ptr + (n * x_n + d * x_d + h * x_h + w * x_w)[:, None] + c[None, :] * x_c
-    tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=(pix < PIXELS)[:, None] & (c < C)[None, :])
+        src = (((n * ZD + i_d) * ZH + i_h) * ZW + i_w) * (SD * SH * RUN + PAD_C) + run0 + t * SW * C
+        mask = ok[:, None] & (e < SW * C)[None, :]
+        acc += tl.load(dz_ptr + src[:, None] + e[None, :], mask=mask, other=0).to(tl.float32)
+    w = (g * SW - PW)[:, None] + (e // C)[None, :]
+    dst = dx_ptr + (n * x_n + d * x_d + h * x_h)[:, None] + w * x_w + (e % C)[None, :] * x_c
+    ok = (grp < GROUPS)[:, None] & (e < SW * C)[None, :] & (w >= 0) & (w < IW)
+    tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 def _window(p: ConvProblem) -> int:
@@ -288,14 +292,16 @@ def _stager(p: ConvProblem, q: ConvProblem) -> Callable[[torch.Tensor], torch.Te
 
 def _unstager(p: ConvProblem, q: ConvProblem) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """(z's gradient, dx): dx written through its strides."""
-    block_c = 1 << (p.cin - 1).bit_length()
-    block_p = max(1, 2048 // block_c)
+    groups_w = cdiv(p.in_size[2] + p.pad[2], p.stride[2])
+    groups = p.n * p.in_size[0] * p.in_size[1] * groups_w
+    block_e = 1 << (p.stride[2] * p.cin - 1).bit_length()
+    block_g = max(1, 2048 // block_e)
     return launcher(
         _depth_to_space_kernel,
-        (cdiv(p.in_pixels, block_p),),
+        (cdiv(groups, block_g),),
         num_tensors=2,
-        ints=(p.in_pixels, *p.in_size, *q.in_size, *p.x_strides, *p.pad),
-        constexprs=(*_z_constexprs(p, q), block_p, block_c),
+        ints=(groups, *p.in_size, *q.in_size, groups_w, *p.x_strides, *p.pad),
+        constexprs=(*_z_constexprs(p, q), block_g, block_e),
     )
 
 

@@ -387,16 +387,21 @@ def test_few_channel_data_gradients_take_the_folded_gemm():
     ],
     ids=str,
 )
-def test_space_to_depth_dgrad(case, poison):
-    """The data gradient of a strided few-channel convolution (fp16, channels-last dy): the boxed
-    GEMM's data gradient over the space-to-depth copy z, each x element's copies in z summed."""
+def test_space_to_depth_gradients(case, poison):
+    """Gradients of a strided few-channel convolution (fp16, channels-last): dx as the boxed GEMM's
+    data gradient over the space-to-depth copy z, each x element's copies in z summed; dw as the
+    shifted GEMM's weight gradient over z against dy padded to z's grid, gathered into w's order
+    (in x's layout)."""
     shape, _, _, stride, pads, dilation, groups = case
     x, w, dy = _tensors(case, torch.float16, last=True)
-    rx, _ = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    rx, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
     torch_dx = torch.ops.aten.convolution_backward(
         dy.float(), x.float(), w.float(), None, stride, [p[0] for p in pads], dilation, False,
         [0] * len(stride), groups, [True, False, False],
     )[0].half()  # fmt: skip
+    dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, groups, algo="space_to_depth")
+    assert dw.stride() == channels_last(w).stride() or len(shape) == 3
+    assert_close(dw, rw, what=f"space_to_depth wgrad {case}")
     dx = conv.conv_backward_data(dy, w, x.shape, stride, pads, dilation, groups, algo="space_to_depth")
     assert is_channels_last(dx) or len(shape) == 3
     assert_close(dx, rx, torch_dx, f"space_to_depth dgrad {case}")

@@ -28,8 +28,8 @@ import triton.language as tl
 
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
-from . import boxed
-from .engines import DGRAD_FAMILY, FAMILY, channels_last_strides, peak, roofline
+from . import boxed, shifted
+from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY, channels_last_strides, peak, roofline
 from .kernels import output_pixel
 from .problem import ConvProblem, itemsize
 
@@ -163,7 +163,8 @@ def _weight_index(p: ConvProblem) -> torch.Tensor:
     return index.flatten()
 
 
-def space_to_depth_reasons(p: ConvProblem) -> list[str]:
+def _shape_reasons(p: ConvProblem) -> list[str]:
+    """What every direction needs of the convolution itself."""
     reasons = boxed.descriptor_reasons(p)
     if p.stride == (1, 1, 1):
         reasons.append("needs a stride > 1")
@@ -176,12 +177,14 @@ def space_to_depth_reasons(p: ConvProblem) -> list[str]:
             f"ceil(KW / stride) * stride^d * channels at most {MAX_CHANNELS} (got "
             f"{_z_channels(p)[0]}): wider inputs have runs of channels enough to be read in place"
         )
-    if not reasons:
-        q = stride_one_problem(p)
-        if q.index_64:
-            reasons.append("the space-to-depth copy spans 2**31 elements or more")
-        reasons += boxed.boxed_reasons(q)
+    if not reasons and stride_one_problem(p).index_64:
+        reasons.append("the space-to-depth copy spans 2**31 elements or more")
     return reasons
+
+
+def space_to_depth_reasons(p: ConvProblem) -> list[str]:
+    """The forward's and the data gradient's: the boxed GEMM takes the convolution over z."""
+    return _shape_reasons(p) or boxed.boxed_reasons(stride_one_problem(p))
 
 
 @FAMILY.register
@@ -259,6 +262,63 @@ class SpaceToDepthDgradEngine(Engine[ConvProblem]):
             unstage(dz, dx)
 
         return run
+
+
+@WGRAD_FAMILY.register
+class SpaceToDepthWgradEngine(Engine[ConvProblem]):
+    """The weight gradient of a strided convolution with few input channels: the shifted GEMM's
+    weight gradient of the stride-1 convolution over z, against dy padded with zero rows to z's
+    grid (the shifted GEMM pairs dy's and z's pixels by one shift), gathered back into w's order."""
+
+    name = "space_to_depth"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _shape_reasons(problem) or shifted.wgrad_reasons(_same_grid_problem(problem))
+
+    def cost(self, problem: ConvProblem) -> float:
+        # The GEMM as the shifted engine's own cost, plus the copies: x -> z, dy into its padded
+        # copy (read and written), at the forward copy's measured rate.
+        p, q = problem, _same_grid_problem(problem)
+        copies = p.in_pixels * p.cin + q.in_pixels * q.cin + p.out_pixels * p.cout + q.in_pixels * p.cout
+        return shifted.ShiftedGemmWgradEngine().cost(q) + roofline(
+            0, copies * itemsize(p.dtype), 1.0, 1.0, 0.85
+        )
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return shifted.ShiftedGemmWgradEngine().configs(_same_grid_problem(problem))
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p, q = problem, _same_grid_problem(problem)
+        gemm = shifted.ShiftedGemmWgradEngine().bind(q, config)
+        stage = _stager(p, q)
+        z_grid = q.in_size
+        od, oh, ow = p.out_size
+        order = torch.empty(p.cin * p.taps, dtype=torch.long)
+        columns = _weight_index(p)
+        used = columns < p.cin * p.taps
+        order[columns[used]] = torch.arange(columns.numel())[used]
+        orders: dict[torch.device, torch.Tensor] = {}
+        numel = p.cout * q.taps * q.cin
+
+        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+            index = orders.get(dw.device)
+            if index is None:
+                index = orders[dw.device] = order.to(dw.device)
+            padded = torch.empty((p.n, *z_grid, p.cout), dtype=dy.dtype, device=dy.device)
+            padded[:, od:].zero_()
+            padded[:, :od, oh:].zero_()
+            padded[:, :od, :oh].copy_(dy.reshape(p.n, p.cout, od, oh, ow).movedim(1, -1))
+            dwz = torch.empty(numel, dtype=dw.dtype, device=dw.device)
+            gemm(stage(x), padded.movedim(-1, 1), dwz)
+            dw.copy_(dwz.view(p.cout, -1)[:, index].view(dw.shape))
+
+        return run
+
+
+def _same_grid_problem(p: ConvProblem) -> ConvProblem:
+    """The stride-1 convolution over z with z's grid as its output (dy padded to it)."""
+    q = stride_one_problem(p)
+    return dataclasses.replace(q, out_size=q.in_size, y_strides=channels_last_strides(p.cout, q.in_size))
 
 
 def _z_constexprs(p: ConvProblem, q: ConvProblem) -> tuple:

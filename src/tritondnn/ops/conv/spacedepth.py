@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
+from ...core.relayout import relayout
 from . import boxed, shifted
 from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY, channels_last_strides, peak, roofline
 from .kernels import output_pixel
@@ -293,6 +294,11 @@ class SpaceToDepthWgradEngine(Engine[ConvProblem]):
         stage = _stager(p, q)
         z_grid = q.in_size
         od, oh, ow = p.out_size
+        # dy into the padded buffer, one depth slice (n, c, h, w) a launch; the rest zeroed.
+        c = p.cout
+        zd, zh, zw = z_grid
+        y_n, y_c, _, y_h, y_w = p.y_strides
+        pad_slice = relayout(p.n, c, oh, ow, (y_n, y_c, y_h, y_w), (zd * zh * zw * c, 1, zw * c, c))
         order = torch.empty(p.cin * p.taps, dtype=torch.long)
         columns = _weight_index(p)
         used = columns < p.cin * p.taps
@@ -307,7 +313,9 @@ class SpaceToDepthWgradEngine(Engine[ConvProblem]):
             padded = torch.empty((p.n, *z_grid, p.cout), dtype=dy.dtype, device=dy.device)
             padded[:, od:].zero_()
             padded[:, :od, oh:].zero_()
-            padded[:, :od, :oh].copy_(dy.reshape(p.n, p.cout, od, oh, ow).movedim(1, -1))
+            dy5 = dy.view(p.n, c, od, oh, ow)
+            for d in range(od):
+                pad_slice(dy5[:, :, d], padded[:, d])
             dwz = torch.empty(numel, dtype=dw.dtype, device=dw.device)
             gemm(stage(x), padded.movedim(-1, 1), dwz)
             dw.copy_(dwz.view(p.cout, -1)[:, index].view(dw.shape))

@@ -360,20 +360,28 @@ def test_fp32_wgrad_stages_channels_first_operands(case, poison):
     assert dw.is_contiguous()
 
 
-def test_few_channel_data_gradients_take_the_folded_gemm():
-    """ResNet-50's stem (3 input channels, 7x7 stride 2, N64): the data gradient through one GEMM
-    and a fold (its implicit GEMM's 3-column tiles ran at 6.3 TFLOP/s on an H100); a 64-channel
-    3x3 layer keeps a tiled engine (its columns' gradient alone would move ~1 GB)."""
+def test_few_channel_gradients_engines():
+    """ResNet-50's stem (3 input channels, 7x7 stride 2, N64): in 16-bit both gradients by
+    space-to-depth (H100, bf16: dx 168 us against im2col_gemm's 1412, dw 260 against row_window's
+    474); in fp32 the data gradient through one GEMM and a fold (its implicit GEMM's 3-column
+    tiles ran at 6.3 TFLOP/s); a 64-channel 3x3 layer keeps a tiled engine (its columns' gradient
+    alone would move ~1 GB)."""
 
-    def chosen(cin, cout, k, stride, pad, size):
+    def chosen(family, cin, cout, k, stride, pad, size, dtype=torch.bfloat16):
         out = (size + 2 * pad - k) // stride + 1
-        dy = torch.empty(64, cout, out, out, device="meta", dtype=torch.bfloat16)
-        w = torch.empty(cout, cin, k, k, device="meta", dtype=torch.bfloat16)
-        reports = tdnn.engines("conv_dgrad", channels_last(dy), w, [64, cin, size, size], stride, pad)
+        dy = channels_last(torch.empty(64, cout, out, out, device="meta", dtype=dtype))
+        w = torch.empty(cout, cin, k, k, device="meta", dtype=dtype)
+        if family == "conv_dgrad":
+            reports = tdnn.engines(family, dy, w, [64, cin, size, size], stride, pad)
+        else:
+            x = channels_last(torch.empty(64, cin, size, size, device="meta", dtype=dtype))
+            reports = tdnn.engines(family, x, dy, list(w.shape), stride, pad)
         return next(r.name for r in reports if r.chosen)
 
-    assert chosen(3, 64, 7, 2, 3, 224) == "im2col_gemm"
-    assert chosen(64, 64, 3, 1, 1, 56) != "im2col_gemm"
+    assert chosen("conv_dgrad", 3, 64, 7, 2, 3, 224) == "space_to_depth"
+    assert chosen("conv_wgrad", 3, 64, 7, 2, 3, 224) == "space_to_depth"
+    assert chosen("conv_dgrad", 3, 64, 7, 2, 3, 224, torch.float32) == "im2col_gemm"
+    assert chosen("conv_dgrad", 64, 64, 3, 1, 1, 56) != "im2col_gemm"
 
 
 @pytest.mark.parametrize(

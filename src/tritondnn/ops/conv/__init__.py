@@ -19,7 +19,7 @@ by the copy engine), ``im2col_gemm`` (fallback), ``depthwise``, ``depthwise_rows
 1-D/2-D, multiplier 1: image rows streamed with the taps unrolled), ``winograd`` (F(2x2, 3x3)),
 ``fft``, ``gemm_1x1`` (1x1 channels-last, one group, no padding: one ``tdnn.matmul`` product),
 ``space_to_depth`` (Hopper, 16-bit, strided with few input channels, as a stem: the stride-1
-boxed GEMM over a space-to-depth copy of x);
+boxed GEMM over a space-to-depth copy of x; also in both gradient families);
 the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
 ``depthwise``, ``depthwise_rows`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
 ``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
@@ -391,8 +391,8 @@ _CONV_T_DOC = """``F.conv_transpose{nd}d``: the data gradient of a convolution w
         input: (N, C_in, ...) or unbatched; weight: (C_in, C_out / groups, *kernel).
         stride, padding, output_padding, dilation: ints or {nd} ints; output_padding smaller than
             stride or dilation.
-        algo: 'implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows' or 'gemm_1x1' (the
-            data-gradient engines), or None.
+        algo: 'implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows', 'gemm_1x1' or
+            'space_to_depth' (the data-gradient engines), or None.
         epilogue, c, residual: as ``conv{nd}d``.
 
     Returns (N, C_out, *out) with out = (in - 1) * stride - 2 * padding + dilation * (k - 1) +
@@ -531,7 +531,8 @@ def conv_backward_data(
     for the output gradient ``grad_output`` (N, C_out, *out). Padding as ``conv2d`` (pairs allowed).
     The result takes grad_output's layout (contiguous or channels-last). Stride > 1 runs as
     stride phases (sub-pixel decomposition): no work on inserted zeros. ``algo`` forces an engine
-    ('implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows', 'gemm_1x1'). Differentiable."""
+    ('implicit_gemm', 'boxed_gemm', 'depthwise', 'depthwise_rows', 'gemm_1x1', 'space_to_depth').
+    Differentiable."""
     op = "tdnn.conv_backward_data"
     key = eager.gradient_key(
         "dgrad", grad_output, weight, input_size, stride, padding, dilation, groups, algo
@@ -618,7 +619,7 @@ def conv_backward_weight(
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
     ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'row_window', 'depthwise',
-    'gemm_1x1'). Returns a tensor in the input's dtype and layout (channels-last for a
+    'gemm_1x1', 'space_to_depth'). Returns a tensor in the input's dtype and layout (channels-last for a
     channels-last input, as PyTorch's; contiguous otherwise)."""
     op = "tdnn.conv_backward_weight"
     key = eager.gradient_key(

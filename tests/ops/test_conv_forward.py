@@ -487,6 +487,8 @@ def test_space_to_depth_not_supported_and_heuristic():
         conv.conv2d(wide, torch.randn(9, 32, 3, 3, device=DEVICE).half(), stride=2, algo="space_to_depth")
     with pytest.raises(tdnn.NotSupportedError, match="fp16, bf16"):
         conv.conv2d(x.float(), w.float(), stride=2, algo="space_to_depth")
+    with tdnn.config.flags(allow_tf32=True), pytest.raises(tdnn.NotSupportedError, match="with TF32"):
+        conv.conv2d(x.float(), w.float(), stride=2, algo="space_to_depth")
     # The heuristic takes it for ResNet-50's stem in 16-bit, either layout (described, never run).
     w7 = torch.empty(64, 3, 7, 7, device=DEVICE, dtype=torch.half)
     for name in ("channels_last", "contiguous"):

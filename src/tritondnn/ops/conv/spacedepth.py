@@ -165,8 +165,10 @@ def _weight_index(p: ConvProblem) -> torch.Tensor:
 
 
 def _shape_reasons(p: ConvProblem) -> list[str]:
-    """What every direction needs of the convolution itself."""
+    """What every direction needs of the convolution itself (16-bit: TF32 is not measured)."""
     reasons = boxed.descriptor_reasons(p)
+    if p.dtype not in ("float16", "bfloat16") and not reasons:
+        reasons.append(f"needs fp16 or bf16 (got {p.dtype} with TF32)")
     if p.stride == (1, 1, 1):
         reasons.append("needs a stride > 1")
     if p.groups != 1:

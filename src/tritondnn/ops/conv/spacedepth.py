@@ -1,5 +1,6 @@
 """Strided convolutions with few input channels (the 7x7 stride-2 stem of ResNets) as stride-1
-convolutions over a space-to-depth copy of x, on the boxed GEMM.
+convolutions over a space-to-depth copy of x: forward and data gradient on the boxed GEMM, weight
+gradient on the shifted GEMM (Hopper, 16-bit).
 
 A stride-s convolution reads x at ``s * o + t - pad`` for output o and tap t. With t = s * a + b
 (0 <= b < s) that is ``s * (o + a) + b - pad``; so with
@@ -8,11 +9,18 @@ A stride-s convolution reads x at ``s * o + t - pad`` for output o and tap t. Wi
 
 the convolution is a stride-1, unpadded one over z, with ceil(k / s) taps and s * C channels per
 dimension, of the weights ``w'[co, (b, c), a] = w[co, c, s * a + b]`` (zero for s * a + b >= k).
-The stem (3 channels, 7x7, stride 2, padding 3) becomes a 4x4 convolution over 16 channels (12,
-padded to 16-byte pixels) at 115x115: the boxed GEMM takes it, its descriptor boxes loading
-whole tiles with no gathers, which x itself rules out (6-byte pixels; stride-2 taps at odd
-offsets). The price: 16 * 16 = 256 products an output against the direct algorithm's 147, and z
-written and read once (27 MB for the stem at N=64, against y's 103 MB).
+Along W the taps are folded into the channels as well: a z pixel holds the window of
+ceil(KW / SW) * SW positions of x that its output reads, so the convolution over z has taps along
+D and H only, and K steps of whole runs of channels. The stem (3 channels, 7x7, stride 2, padding
+3) becomes a 4x1 convolution over 48 channels (b_h, 8 window positions, c) at 115x112: the boxed
+GEMM takes it, its descriptor boxes loading whole tiles with no gathers, which x itself rules out
+(6-byte pixels; stride-2 taps at odd offsets). The price: 4 * 64 = 256 products an output (the K
+steps padded to 64) against the direct algorithm's 147, and z written and read once (79 MB for
+the stem at N=64, against y's 103 MB). Measured on an H100 (bf16, N=64), against cuDNN: forward
+159 us / 465, data gradient 168 / 1488, weight gradient 260 / 318.
+
+An x element that is inf or NaN reaches the outputs of every z copy of it, also through the taps
+past k (zero weights: 0 * inf); the direct algorithm confines it to the outputs that read it.
 """
 
 from __future__ import annotations

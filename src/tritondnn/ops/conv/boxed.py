@@ -52,7 +52,7 @@ from .problem import ConvProblem, Strides5, Triple, itemsize
 
 
 @triton.jit
-def _box_origin(box, OD, OH, OW, BN_IMG: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
+def _box_origin(box, OD, OH, OW, IMAGES: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
     """First image and output position (n0, d0, h0, w0) of pixel box ``box`` (boxes run W fastest)."""
     boxes_w = tl.cdiv(OW, BW)
     boxes_h = tl.cdiv(OH, BH)
@@ -62,7 +62,7 @@ def _box_origin(box, OD, OH, OW, BN_IMG: tl.constexpr, BD: tl.constexpr, BH: tl.
     h0 = (rest % boxes_h) * BH
     rest = rest // boxes_h
     d0 = (rest % boxes_d) * BD
-    return (rest // boxes_d) * BN_IMG, d0, h0, w0
+    return (rest // boxes_d) * IMAGES, d0, h0, w0
 
 
 @triton.jit
@@ -75,11 +75,11 @@ def _boxed_kernel(
     o_n, o_c, o_d, o_h, o_w, s_bias, row_limit, programs,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    W_T: tl.constexpr, BN_IMG: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+    W_T: tl.constexpr, IMAGES: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
-    """(BN_IMG x BD x BH x BW pixels) x BLOCK_N output tiles of one group, ``programs`` programs
-    walking them. Grid: (programs, groups). A box spans BN_IMG images where the image is small:
+    """(IMAGES x BD x BH x BW pixels) x BLOCK_N output tiles of one group, ``programs`` programs
+    walking them. Grid: (programs, groups). A box spans IMAGES images where the image is small:
     boxes whose extents divide the output's waste no computed positions.
 
     src: [N, SD, SH, SW, C_ALL] at strides (s_n, s_d, s_h, s_w, 1), this group's channels
@@ -90,16 +90,16 @@ def _boxed_kernel(
     ``o + off + t * dl`` per dimension; outputs (OD, OH, OW) at strides ``o_*``. FLATTEN: Triton
     pipelines the tile and K loops as one (the next tile's loads overlap this tile's epilogue).
     """
-    BM: tl.constexpr = BN_IMG * BD * BH * BW
+    BM: tl.constexpr = IMAGES * BD * BH * BW
     src_desc = tl.make_tensor_descriptor(
-        src_ptr, [N, SD, SH, SW, C_ALL], [s_n, s_d, s_h, s_w, 1], [BN_IMG, BD, BH, BW, BLOCK_K]
+        src_ptr, [N, SD, SH, SW, C_ALL], [s_n, s_d, s_h, s_w, 1], [IMAGES, BD, BH, BW, BLOCK_K]
     )
     if W_T:
         w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS, W_K], [w_row, 1], [BLOCK_K, BLOCK_N])
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, [W_ROWS, W_K], [w_row, 1], [BLOCK_N, BLOCK_K])
     g = tl.program_id(1)
-    tiles_m = tl.cdiv(N, BN_IMG) * tl.cdiv(OD, BD) * tl.cdiv(OH, BH) * tl.cdiv(OW, BW)
+    tiles_m = tl.cdiv(N, IMAGES) * tl.cdiv(OD, BD) * tl.cdiv(OH, BH) * tl.cdiv(OW, BW)
     tiles_n = tl.cdiv(NCOLS, BLOCK_N)
     k_blocks = tl.cdiv(CK, BLOCK_K)
     steps = TD * TH * TW * k_blocks
@@ -109,7 +109,7 @@ def _boxed_kernel(
     tile_done = tl.program_id(0) - programs
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
         pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
-        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BN_IMG, BD, BH, BW)
+        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, IMAGES, BD, BH, BW)
         off_n = g * NCOLS + pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_N, BM), ACC)
         for i in range(steps):
@@ -128,7 +128,7 @@ def _boxed_kernel(
             acc = dot(b, box.reshape(BM, BLOCK_K).T, acc, PRECISION, UPCAST)
         tile_done += programs
         pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
-        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, BN_IMG, BD, BH, BW)
+        n0, d0, h0, w0 = _box_origin(pid_m, OD, OH, OW, IMAGES, BD, BH, BW)
         pix = tl.arange(0, BM)
         ow = w0 + pix % BW
         oh = h0 + (pix // BW) % BH

@@ -314,13 +314,11 @@ class SpaceToDepthWgradEngine(Engine[ConvProblem]):
         columns = _weight_index(p)
         used = columns < p.cin * p.taps
         order[columns[used]] = torch.arange(columns.numel())[used]
-        orders: dict[torch.device, torch.Tensor] = {}
+        order_on = _on_device(order)
         numel = p.cout * q.taps * q.cin
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
-            index = orders.get(dw.device)
-            if index is None:
-                index = orders[dw.device] = order.to(dw.device)
+            index = order_on(dw.device)
             padded = torch.empty((p.n, *z_grid, p.cout), dtype=dy.dtype, device=dy.device)
             padded[:, od:].zero_()
             padded[:, :od, oh:].zero_()
@@ -386,13 +384,22 @@ def _unstager(p: ConvProblem, q: ConvProblem) -> Callable[[torch.Tensor, torch.T
 
 def _weight_packer(p: ConvProblem) -> Callable[[torch.Tensor], torch.Tensor]:
     """w -> z's weight matrix [Cout, taps' * C'] (a gather of w's columns and zeros)."""
-    index_cpu = _weight_index(p)
-    indices: dict[torch.device, torch.Tensor] = {}
+    index_on = _on_device(_weight_index(p))
 
     def pack(w: torch.Tensor) -> torch.Tensor:
-        index = indices.get(w.device)
-        if index is None:
-            index = indices[w.device] = index_cpu.to(w.device)
-        return F.pad(w.reshape(p.cout, -1), (0, 1))[:, index]
+        return F.pad(w.reshape(p.cout, -1), (0, 1))[:, index_on(w.device)]
 
     return pack
+
+
+def _on_device(t: torch.Tensor) -> Callable[[torch.device], torch.Tensor]:
+    """device -> ``t`` there, copied once a device."""
+    copies: dict[torch.device, torch.Tensor] = {}
+
+    def on(device: torch.device) -> torch.Tensor:
+        copy = copies.get(device)
+        if copy is None:
+            copy = copies[device] = t.to(device)
+        return copy
+
+    return on

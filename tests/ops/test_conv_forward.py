@@ -207,6 +207,26 @@ def test_winograd(layout_name, groups):
     _tolerance_check(yh, refh, torch_conv(x.half(), w.half(), b.half(), 1, padding, 1, groups), 4.0, 2e-3)
 
 
+@pytest.mark.parametrize("layout_name", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_winograd_4x4(layout_name, groups):
+    """F(4x4, 3x3) in fp32 with the fused epilogue: uneven padding, a partial last tile in both
+    directions (9 x 7 outputs in 4 x 4 tiles), groups; within 30x PyTorch's own fp32 error plus
+    1e-5 relative: its transforms sum up to 36 terms with coefficients up to 8 and 5 (B^T, A^T)
+    and 1/24 (G), measured at 7-11x PyTorch's error (F(2x2, 3x3): under 1x) with 8-32 channels."""
+    x = layout(torch.randn(2, 8, 9, 7, device=DEVICE), layout_name)
+    w = torch.randn(6, 8 // groups, 3, 3, device=DEVICE)
+    b = torch.randn(6, device=DEVICE)
+    padding = ((1, 0), (2, 1))
+    epi = Epilogue(activation="relu")
+    y = conv.conv2d(x, w, b, 1, padding, 1, groups, algo="winograd_4x4", epilogue=epi)
+    ref = F.relu(conv_reference(x, w, b, (1, 1), padding, (1, 1), groups))
+    torch_out = F.relu(torch_conv(x, w, b, 1, padding, 1, groups))
+    _tolerance_check(y, ref, torch_out, 30.0, 1e-5)
+    with pytest.raises(tdnn.NotSupportedError, match="16-bit"):
+        conv.conv2d(x.half(), w.half(), None, 1, padding, 1, groups, algo="winograd_4x4")
+
+
 def test_winograd_not_supported():
     x = torch.randn(1, 4, 6, 6, device=DEVICE)
     w = torch.randn(4, 4, 3, 3, device=DEVICE)
@@ -318,10 +338,15 @@ def test_engines_report_and_forced(cache_dir):
     # Benchmark mode times every candidate and keeps the winner on disk (the data-gradient family:
     # the forward's im2col engine would autotune its matmul too, slow under the interpreter).
     dy = torch.randn(1, 4, 3, 3, device=DEVICE)
+    dgrad_args = (dy, w, (1, 4, 6, 6), 2, 1, 1, 2)
+    assert not any(r.tuned for r in tdnn.engines("conv_dgrad", *dgrad_args)), "nothing tuned yet"
     with tdnn.config.flags(benchmark=True):
-        dx = conv.conv_backward_data(dy, w, (1, 4, 6, 6), 2, 1, 1, 2)
+        dx = conv.conv_backward_data(*dgrad_args)
     assert_close(dx, conv.conv_backward_reference(x, w, dy, (2, 2), ((1, 1), (1, 1)), (1, 1), 2)[0])
     assert any(cache_dir.iterdir())
+    # The reports name the stored winner, one of the engines that can run the problem.
+    tuned = [r for r in tdnn.engines("conv_dgrad", *dgrad_args) if r.tuned]
+    assert len(tuned) == 1 and tuned[0].supported
 
 
 def test_bad_input():

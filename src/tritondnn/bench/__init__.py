@@ -60,6 +60,9 @@ class Case:
             compile and tune (a model's training step): the timer's own warmup sizes itself from
             its first calls, which would then include the compilation.
         rep_ms: how long the timer repeats the calls; the median is over that many milliseconds.
+        prepare: run once when the case is selected, before it is timed; returns text appended
+            to its name (what the run found out, such as the engine autotuning chose), so that
+            work a case name depends on is not done for cases ``--match`` leaves out.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Case:
     host: bool = False
     warmup_calls: int = 0
     rep_ms: float = 100.0
+    prepare: Callable[[], str] | None = None
 
     @property
     def is_limit(self) -> bool:
@@ -169,6 +173,8 @@ def run_cases(
     ``rows`` (returned) case by case; each case's tensors are freed before the next is made."""
     rows = [] if rows is None else rows
     for case in cases:
+        if case.prepare is not None:
+            case.name += case.prepare()
         measured = []
         for provider, fn in case.providers.items():
             ms = timer(case, fn)

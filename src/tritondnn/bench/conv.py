@@ -7,7 +7,8 @@ TFLOP/s count the direct algorithm's 2 * N * out pixels * Cout * Cin/groups * ta
 (Winograd and FFT are credited with the same work, as cuDNN's numbers are); the depthwise case is
 memory-bound and reports GB/s of x read and y written once. PyTorch runs with
 ``torch.backends.cudnn.benchmark = True``; which engine tritondnn's heuristics chose is in the
-case name (``[engine]``).
+case name (``[engine]``). The full run adds each ResNet-50 layer's forward in benchmark mode
+(``fwd autotuned``: every candidate engine and config timed once, the winner named and timed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
+from ..core.config import config
 from ..core.engine import engines
 from ..ops import conv
 from ..ops.epilogue import Epilogue
@@ -42,7 +44,7 @@ def _chosen(x: torch.Tensor, w: torch.Tensor, *args: object) -> str:
 
 
 def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, groups, dtype_name: str,
-                layout: str) -> Iterator[Case]:  # fmt: skip
+                layout: str, tuned: bool = False) -> Iterator[Case]:  # fmt: skip
     nd = x.ndim - 2
     ours_fn = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}[nd]
     ref_fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
@@ -57,6 +59,10 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
         providers(tritondnn=partial(ours, x, w), torch=partial(ref, x, w), torch_compile=compiled(ref, x, w)),
         flops=flops,
     )
+    if tuned:
+        yield _tuned_case(
+            name, partial(ours, x, w), partial(ref, x, w), x, w, (stride, padding, 1, groups), flops
+        )
     xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     dy = torch.randn_like(y)
     yield Case(
@@ -67,6 +73,23 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
         flops=3 * flops,
     )
     yield _gradient_case(name, x, w, dy, stride, padding, groups, flops)
+
+
+def _tuned_case(name: str, ours: Callable, ref: Callable, x: torch.Tensor, w: torch.Tensor, geometry: tuple,
+                flops: int) -> Case:  # fmt: skip
+    """The forward in benchmark mode (``tdnn.config.benchmark``): when the case is selected every
+    candidate engine and config is timed once and the winner, named in the case, runs."""
+
+    def tuned() -> object:
+        with config.flags(benchmark=True):
+            return ours()
+
+    def tune() -> str:
+        tuned()
+        engine = next((r.name for r in engines("conv", x, w, None, *geometry) if r.tuned), "?")
+        return f" [{engine}]"
+
+    return Case(f"{name} fwd autotuned", providers(tritondnn=tuned, torch=ref), flops=flops, prepare=tune)
 
 
 def _gradient_case(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride, padding, groups,
@@ -115,7 +138,7 @@ def cases(quick: bool) -> Iterator[Case]:
             w = torch.randn(cout, cin, k, k, device=dev, dtype=dtype) / math.sqrt(cin * k * k)
             if cl:
                 w = w.to(memory_format=torch.channels_last)
-            yield from _conv_cases(label, x, w, s, p, 1, dtype_name, layout)
+            yield from _conv_cases(label, x, w, s, p, 1, dtype_name, layout, tuned=not quick)
     if quick:
         return
     # conv + bias + ReLU, fused, against PyTorch eager's three ops.

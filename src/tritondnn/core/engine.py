@@ -90,13 +90,17 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class EngineReport:
-    """What ``tdnn.engines`` says of one engine for one problem."""
+    """What ``tdnn.engines`` says of one engine for one problem: whether it can run it (and why
+    not), its heuristic cost, whether fast mode chooses it (``chosen``), and whether benchmark
+    mode's stored winner for this problem on this device is this engine (``tuned``: False for
+    every engine until the problem was timed in benchmark mode, ``tdnn.config.benchmark``)."""
 
     name: str
     supported: bool
     reasons: list[str]
     cost: float | None
     chosen: bool
+    tuned: bool = False
 
 
 class AutotuneCache:
@@ -277,10 +281,13 @@ class Family(Generic[P]):
         return choice
 
     def report(self, problem: P) -> list[EngineReport]:
-        """Every engine's verdict on ``problem``, and which one fast mode would choose."""
+        """Every engine's verdict on ``problem``, which one fast mode would choose, and which one
+        benchmark mode chose (its autotune cache entry), if any."""
         reasons = {e.name: e.not_supported_reasons(problem) for e in self.engines}
         supported = [e for e in self.engines if not reasons[e.name]]
         chosen = self._heuristic(problem, supported).engine if supported else None
+        stored = autotune_cache.get(f"{self.name}:{problem.key()}")
+        tuned = stored.get("engine") if stored else None
         return [
             EngineReport(
                 name=e.name,
@@ -288,6 +295,7 @@ class Family(Generic[P]):
                 reasons=reasons[e.name],
                 cost=None if reasons[e.name] else e.cost(problem),
                 chosen=e is chosen,
+                tuned=e.name == tuned,
             )
             for e in self.engines
         ]
@@ -297,7 +305,7 @@ def engines(family: str, *args: Any, **kwargs: Any) -> list[EngineReport]:
     """Which engines of ``family`` can run the call ``family(*args, **kwargs)`` would make, and why not.
 
     >>> for r in tdnn.engines("softmax", x, dim=-1):
-    ...     print(r.name, r.supported, r.reasons, r.chosen)
+    ...     print(r.name, r.supported, r.reasons, r.chosen, r.tuned)
     """
     if family not in Family.registry:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(sorted(Family.registry))}")

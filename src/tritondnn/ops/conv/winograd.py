@@ -1,7 +1,8 @@
-"""Winograd F(2x2, 3x3) forward convolution for 3x3, stride-1, undilated 2-D convolutions.
+"""Winograd forward convolutions for 3x3, stride-1, undilated 2-D convolutions: F(2x2, 3x3)
+(``winograd``, any dtype) and F(4x4, 3x3) (``winograd_4x4``, fp32 and fp64).
 
-Each 2x2 block of outputs is computed from a 4x4 input patch with 16 multiplies per channel pair
-instead of 36 (2.25x fewer), in three steps:
+F(2x2, 3x3): each 2x2 block of outputs is computed from a 4x4 input patch with 16 multiplies per
+channel pair instead of 36 (2.25x fewer), in three steps:
 
 1. the filter transform ``U = G g G^T`` (PyTorch, on the small weight tensor), [16, groups,
    Cin_g, Cout_g];
@@ -15,8 +16,21 @@ Numerics: the transforms add and subtract up to 9 terms with coefficients of mag
 convolution: in fp32 we measure about 4x the direct error, bounded in tests by 20x PyTorch's own
 fp32 error plus 2e-5 relative (ARCHITECTURE's 2x rule scaled by this documented factor). The
 patches V are kept in fp32 for fp32 inputs (and in the input dtype for fp16/bf16, whose tensor
-cores need it; the bound there is 4x PyTorch's error plus atol). It pays most in fp32 without TF32,
-where the GEMM runs on the CUDA cores and 2.25x fewer multiplies is 2.25x less time.
+cores need it; the bound there is 4x PyTorch's error plus atol).
+
+F(4x4, 3x3): each 4x4 block of outputs from a 6x6 patch, 36 multiplies per channel pair instead
+of 144 (4x fewer); the same three steps with the filter transform a kernel too
+(``_filter4_kernel``), the products a batched GEMM of this module (``_products_kernel``: FMA
+units, or three TF32 products), and every intermediate laid out tiles innermost for NCHW. Its
+transforms sum up to 36 terms with coefficients up to 8 (A^T), 5 (B^T) and 1/24 (G): in fp32 the
+error measured 5-14x PyTorch's own (8-32 channels, CPU) and about 1.5e-5 of the output's largest
+value on ResNet-50's layers (H100), bounded in tests by 30x PyTorch's error plus 1e-5 relative;
+16-bit inputs are left to the tensor-core engines. H100, fp32 NCHW, N=64 (TF32 off), ResNet-50's
+3x3 layers 64 @56, 128 @28, 256 @14, 512 @7: 261, 184, 185, 173 us against cuDNN's 359, 209, 228,
+484 and the implicit GEMM's 270, 243, 309, 321 (tf32x3 on the tensor cores).
+
+Winograd pays most in fp32 without TF32, where the GEMMs run on the CUDA cores and fewer
+multiplies are less time.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
 from ..epilogue import apply_epilogue
+from ..matmul.kernels import dot, grouped
 from .engines import FAMILY, epilogue_constexprs, itemsize, peak, roofline, row_limit
 from .problem import ConvProblem
 
@@ -430,6 +445,381 @@ class WinogradEngine(Engine[ConvProblem]):
             v = torch.empty((16 * p.groups, tiles, p.cin_g), dtype=v_dtype, device=x.device)
             transform(x, v)
             m = matmul(v, u, epilogue=epi)
+            finish(m, y, c, bias, residual, pre, alpha, beta, p0, p1)
+
+        return run
+
+
+# ---------------------------------------------------------------------------------------------
+# F(4x4, 3x3): each 4x4 block of outputs from a 6x6 input patch, 36 multiplies per channel pair
+# instead of 144 (4x fewer). Transforms (Lavin & Gray's interpolation points 0, +-1, +-2, inf):
+# B^T [6x6], G [6x3], A^T [4x6] below. The patches and the products are laid out [36, groups,
+# channels, tiles] (tiles innermost): NCHW's pixels run along tiles, so the transform kernels read
+# and write along them, and the products are the batched GEMM M^T = U^T V with the tiles as its
+# N dimension.
+
+
+@triton.jit
+def _bt6(d0, d1, d2, d3, d4, d5):
+    """B^T of F(4x4, 3x3) applied to six values along one axis."""
+    return (
+        4.0 * d0 - 5.0 * d2 + d4,
+        d3 + d4 - 4.0 * (d1 + d2),
+        4.0 * (d1 - d2) + d4 - d3,
+        2.0 * (d3 - d1) + d4 - d2,
+        2.0 * (d1 - d3) + d4 - d2,
+        4.0 * d1 - 5.0 * d3 + d5,
+    )
+
+
+@triton.jit
+def _at6(m0, m1, m2, m3, m4, m5):
+    """A^T of F(4x4, 3x3) applied to six values along one axis: four outputs."""
+    return (
+        m0 + m1 + m2 + m3 + m4,
+        (m1 - m2) + 2.0 * (m3 - m4),
+        (m1 + m2) + 4.0 * (m3 + m4),
+        (m1 - m2) + 8.0 * (m3 - m4) + m5,
+    )
+
+
+@triton.jit
+def _load_at(base, w, s_w, W, okh, ACC: tl.constexpr):
+    return convert(
+        tl.load(base + (w * s_w)[None, :], mask=okh & ((w >= 0) & (w < W))[None, :], other=0.0), ACC
+    )
+
+
+@triton.jit
+def _row6(rows, h, w0, s_h, s_w, H, W, ok, ACC: tl.constexpr):
+    """B^T along input row h of each patch (columns w0..w0+5, zero outside the image); ``rows``
+    [BLOCK_C, BLOCK_P] pointers of each (channel, tile), ``ok`` its mask."""
+    base = rows + (h * s_h)[None, :]
+    okh = ok & ((h >= 0) & (h < H))[None, :]
+    return _bt6(
+        _load_at(base, w0, s_w, W, okh, ACC),
+        _load_at(base, w0 + 1, s_w, W, okh, ACC),
+        _load_at(base, w0 + 2, s_w, W, okh, ACC),
+        _load_at(base, w0 + 3, s_w, W, okh, ACC),
+        _load_at(base, w0 + 4, s_w, W, okh, ACC),
+        _load_at(base, w0 + 5, s_w, W, okh, ACC),
+    )
+
+
+@triton.jit
+def _store_col6(out, plane, j, d0, d1, d2, d3, d4, d5, mask):
+    """B^T down column j of the row-transformed patch: V[i * 6 + j] for i = 0..5."""
+    v0, v1, v2, v3, v4, v5 = _bt6(d0, d1, d2, d3, d4, d5)
+    dt = out.dtype.element_ty
+    tl.store(out + j * plane, convert(v0, dt), mask=mask)
+    tl.store(out + (6 + j) * plane, convert(v1, dt), mask=mask)
+    tl.store(out + (12 + j) * plane, convert(v2, dt), mask=mask)
+    tl.store(out + (18 + j) * plane, convert(v3, dt), mask=mask)
+    tl.store(out + (24 + j) * plane, convert(v4, dt), mask=mask)
+    tl.store(out + (30 + j) * plane, convert(v5, dt), mask=mask)
+
+
+@triton.jit
+def _input4_kernel(
+    x_ptr, v_ptr,
+    P, C, TH, TW, H, W, s_n, s_c, s_h, s_w, pad_h, pad_w,
+    ACC: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """V[xi, c, p] = (B^T d B)[xi] for tile p (n, th, tw) and channel c (any group: V's rows are
+    group-major), d the 6x6 patch at rows 4 * th - pad_h.., columns 4 * tw - pad_w... ``v`` is
+    contiguous [36, C, P]. Grid: (cdiv(P, BLOCK_P), cdiv(C, BLOCK_C))."""
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if INDEX_64:
+        p = p.to(tl.int64)
+        c = c.to(tl.int64)
+    ok = (c < C)[:, None] & (p < P)[None, :]
+    tw = p % TW
+    th = (p // TW) % TH
+    n = p // (TW * TH)
+    h0 = th * 4 - pad_h
+    w0 = tw * 4 - pad_w
+    rows = x_ptr + (n * s_n)[None, :] + (c * s_c)[:, None]
+    a0, a1, a2, a3, a4, a5 = _row6(rows, h0, w0, s_h, s_w, H, W, ok, ACC)
+    b0, b1, b2, b3, b4, b5 = _row6(rows, h0 + 1, w0, s_h, s_w, H, W, ok, ACC)
+    e0, e1, e2, e3, e4, e5 = _row6(rows, h0 + 2, w0, s_h, s_w, H, W, ok, ACC)
+    f0, f1, f2, f3, f4, f5 = _row6(rows, h0 + 3, w0, s_h, s_w, H, W, ok, ACC)
+    g0, g1, g2, g3, g4, g5 = _row6(rows, h0 + 4, w0, s_h, s_w, H, W, ok, ACC)
+    k0, k1, k2, k3, k4, k5 = _row6(rows, h0 + 5, w0, s_h, s_w, H, W, ok, ACC)
+    out = v_ptr + (c * P)[:, None] + p[None, :]
+    plane = C * P
+    _store_col6(out, plane, 0, a0, b0, e0, f0, g0, k0, ok)
+    _store_col6(out, plane, 1, a1, b1, e1, f1, g1, k1, ok)
+    _store_col6(out, plane, 2, a2, b2, e2, f2, g2, k2, ok)
+    _store_col6(out, plane, 3, a3, b3, e3, f3, g3, k3, ok)
+    _store_col6(out, plane, 4, a4, b4, e4, f4, g4, k4, ok)
+    _store_col6(out, plane, 5, a5, b5, e5, f5, g5, k5, ok)
+
+
+@triton.jit
+def _row_at(ptr, plane, first, mask, b):
+    """Output column b of row ``first // 6`` of the products M: A^T[b] . M[i, 0..5] (six planes),
+    A^T's row b being (b == 0, 1, +-1, 2^b, +-2^b, b == 3) with the sign (-1)^b."""
+    sign = 1.0 - 2.0 * (b % 2).to(tl.float32)
+    scale = (1 << b).to(tl.float32)
+    m0 = tl.load(ptr + first * plane, mask=mask & (b == 0)[:, None], other=0.0)
+    m1 = tl.load(ptr + (first + 1) * plane, mask=mask, other=0.0)
+    m2 = tl.load(ptr + (first + 2) * plane, mask=mask, other=0.0)
+    m3 = tl.load(ptr + (first + 3) * plane, mask=mask, other=0.0)
+    m4 = tl.load(ptr + (first + 4) * plane, mask=mask, other=0.0)
+    m5 = tl.load(ptr + (first + 5) * plane, mask=mask & (b == 3)[:, None], other=0.0)
+    return m0 + m1 + sign[:, None] * (m2 + scale[:, None] * m4) + scale[:, None] * m3 + m5
+
+
+@triton.jit
+def _output4_kernel(
+    m_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+    alpha, beta, p0, p1,
+    P, COUT, TH, TW, OH, OW, o_n, o_c, o_h, o_w, row_limit,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Y = A^T M A for tile p and output channel co from ``m`` [36, COUT, P] (contiguous, fp32,
+    group-major rows), through the epilogue into ``out`` (strides o_*: n, c, h, w).
+
+    Each row of a program's [4 * BLOCK_P, BLOCK_C] values is one output column b of one tile (the
+    four of a tile side by side): its four outputs (rows 0..3 of that column) are then stored by
+    neighbouring threads at neighbouring addresses along W, where one row per tile would write
+    every fourth element (measured at half the copy bandwidth on an H100). The four rows of a tile
+    read the same products (one transaction)."""
+    BLOCK_Q: tl.constexpr = 4 * BLOCK_P
+    q = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = q // 4
+    b = q % 4
+    if INDEX_64:
+        p = p.to(tl.int64)
+        cols = cols.to(tl.int64)
+    p_ok = p < P
+    mask = p_ok[:, None] & (cols < COUT)[None, :]
+    tw = p % TW
+    th = (p // TW) % TH
+    n = p // (TW * TH)
+    plane = COUT * P
+    ptr = m_ptr + p[:, None] + (cols * P)[None, :]
+    # A^T along each row i of M gives column b's r_i; A^T down the column gives its four outputs.
+    y0, y1, y2, y3 = _at6(
+        _row_at(ptr, plane, 0, mask, b),
+        _row_at(ptr, plane, 6, mask, b),
+        _row_at(ptr, plane, 12, mask, b),
+        _row_at(ptr, plane, 18, mask, b),
+        _row_at(ptr, plane, 24, mask, b),
+        _row_at(ptr, plane, 30, mask, b),
+    )
+    oh = th * 4
+    ow = tw * 4 + b
+    _finish(
+        y0, oh, ow, n, p_ok, cols, OH, OW, COUT, o_n, o_c, o_h, o_w, row_limit,
+        out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, alpha, beta, p0, p1,
+        HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+    )  # fmt: skip
+    _finish(
+        y1, oh + 1, ow, n, p_ok, cols, OH, OW, COUT, o_n, o_c, o_h, o_w, row_limit,
+        out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, alpha, beta, p0, p1,
+        HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+    )  # fmt: skip
+    _finish(
+        y2, oh + 2, ow, n, p_ok, cols, OH, OW, COUT, o_n, o_c, o_h, o_w, row_limit,
+        out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, alpha, beta, p0, p1,
+        HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+    )  # fmt: skip
+    _finish(
+        y3, oh + 3, ow, n, p_ok, cols, OH, OW, COUT, o_n, o_c, o_h, o_w, row_limit,
+        out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, alpha, beta, p0, p1,
+        HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _g6(a, b, c):
+    """G of F(4x4, 3x3) applied to three values along one axis: six."""
+    return (
+        a * 0.25,
+        (a + b + c) * (-1.0 / 6.0),
+        (a - b + c) * (-1.0 / 6.0),
+        a * (1.0 / 24.0) + b * (1.0 / 12.0) + c * (1.0 / 6.0),
+        a * (1.0 / 24.0) - b * (1.0 / 12.0) + c * (1.0 / 6.0),
+        c,
+    )
+
+
+@triton.jit
+def _store_row6(out, plane, i, t0, t1, t2, mask):
+    """G along row i of G g: U[i * 6 + j] for j = 0..5."""
+    u0, u1, u2, u3, u4, u5 = _g6(t0, t1, t2)
+    dt = out.dtype.element_ty
+    tl.store(out + (6 * i) * plane, convert(u0, dt), mask=mask)
+    tl.store(out + (6 * i + 1) * plane, convert(u1, dt), mask=mask)
+    tl.store(out + (6 * i + 2) * plane, convert(u2, dt), mask=mask)
+    tl.store(out + (6 * i + 3) * plane, convert(u3, dt), mask=mask)
+    tl.store(out + (6 * i + 4) * plane, convert(u4, dt), mask=mask)
+    tl.store(out + (6 * i + 5) * plane, convert(u5, dt), mask=mask)
+
+
+@triton.jit
+def _filter4_kernel(
+    w_ptr, u_ptr, COUT, CG, s_o, s_c, s_h, s_w, ACC: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """U[xi, o, c] = (G g G^T)[xi] for the 3x3 filter g = w[o, c]; ``u`` contiguous [36, COUT, CG]."""
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = q < COUT * CG
+    o = q // CG
+    c = q % CG
+    base = w_ptr + o * s_o + c * s_c
+    g00 = convert(tl.load(base, mask=ok, other=0.0), ACC)
+    g01 = convert(tl.load(base + s_w, mask=ok, other=0.0), ACC)
+    g02 = convert(tl.load(base + 2 * s_w, mask=ok, other=0.0), ACC)
+    g10 = convert(tl.load(base + s_h, mask=ok, other=0.0), ACC)
+    g11 = convert(tl.load(base + s_h + s_w, mask=ok, other=0.0), ACC)
+    g12 = convert(tl.load(base + s_h + 2 * s_w, mask=ok, other=0.0), ACC)
+    g20 = convert(tl.load(base + 2 * s_h, mask=ok, other=0.0), ACC)
+    g21 = convert(tl.load(base + 2 * s_h + s_w, mask=ok, other=0.0), ACC)
+    g22 = convert(tl.load(base + 2 * s_h + 2 * s_w, mask=ok, other=0.0), ACC)
+    # G down each column of g, then G along each row of the result.
+    a0, a1, a2, a3, a4, a5 = _g6(g00, g10, g20)
+    b0, b1, b2, b3, b4, b5 = _g6(g01, g11, g21)
+    e0, e1, e2, e3, e4, e5 = _g6(g02, g12, g22)
+    out = u_ptr + q
+    plane = COUT * CG
+    _store_row6(out, plane, 0, a0, b0, e0, ok)
+    _store_row6(out, plane, 1, a1, b1, e1, ok)
+    _store_row6(out, plane, 2, a2, b2, e2, ok)
+    _store_row6(out, plane, 3, a3, b3, e3, ok)
+    _store_row6(out, plane, 4, a4, b4, e4, ok)
+    _store_row6(out, plane, 5, a5, b5, e5, ok)
+
+
+@triton.jit
+def _products_kernel(
+    u_ptr, v_ptr, m_ptr, COG, CG, P,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """M[b] = U^T[b] @ V[b] for each of the 36 * groups transform points b: ``u`` [B, COG, CG],
+    ``v`` [B, CG, P], ``m`` [B, COG, P], contiguous. Grid: (tiles of one product, B)."""
+    b = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = grouped(tl.program_id(0), tl.cdiv(COG, BLOCK_M), tl.cdiv(P, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = u_ptr + b * COG * CG + rm[:, None] * CG + rk[None, :]
+    b_ptrs = v_ptr + b * CG * P + rk[:, None] * P + rn[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    for k in range(0, CG, BLOCK_K):
+        a = tl.load(a_ptrs, mask=(rm < COG)[:, None] & (k + rk < CG)[None, :], other=0.0)
+        x = tl.load(b_ptrs, mask=(k + rk < CG)[:, None] & (rn < P)[None, :], other=0.0)
+        acc = dot(a, x, acc, PRECISION, False)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * P
+    out = m_ptr + b * COG * P + rm[:, None] * P + rn[None, :]
+    tl.store(out, acc, mask=(rm < COG)[:, None] & (rn < P)[None, :])
+
+
+def _products(bm: int, bn: int, bk: int, precision: str, warps: int) -> LaunchConfig:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PRECISION": precision, "PRODUCT_WARPS": warps}
+
+
+@FAMILY.register
+class Winograd4Engine(Engine[ConvProblem]):
+    """F(4x4, 3x3): 3x3, stride 1, dilation 1, 2-D, fp32 (and fp64). 4x fewer multiplies than
+    direct convolution; the transforms' larger coefficients (up to 8 and 5, and 1/24 in G) cost more
+    rounding error than F(2x2, 3x3) (see the module docstring), which 16-bit inputs cannot
+    afford: they have the tensor-core engines."""
+
+    name = "winograd_4x4"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        reasons = WinogradEngine().not_supported_reasons(problem)
+        if problem.dtype not in ("float32", "float64"):
+            reasons.append(f"needs fp32 or fp64: its transforms lose 16-bit precision (got {problem.dtype})")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        p = problem
+        tiles = p.n * cdiv(p.out_size[1], 4) * cdiv(p.out_size[2], 4)
+        size = itemsize(p.dtype)
+        patches = 36 * tiles * (p.cin + p.cout) * size  # V and M, each written once and read once
+        products = 2 * 36 * tiles * p.cin_g * p.cout
+        # H100, fp32 NCHW N=64, ResNet-50's 3x3 layers: the products at 33-38 TFLOP/s of their own
+        # work (FMA units), the transforms moving x, V, M and y at about 2.2 TB/s; this model's
+        # 268, 189, 193, 170 us against 261, 184, 185, 173 measured (64 @56 .. 512 @7).
+        # Channels-last x and y are read and written across the tiles' channel stride: 3x3 128 @28
+        # 277 us, 256 @14 211 (NCHW 184, 185).
+        rate = 35.0 if p.dtype == "float32" and not p.tf32 else peak(p) * 0.3
+        work = max(roofline(products, 0, rate, 1.0, 1.0), roofline(0, patches, 1.0, 1.0, 0.8))
+        moved = p.in_pixels * p.cin * size + p.out_pixels * p.cout * size + patches
+        moves = roofline(0, moved, 1.0, 1.0, 0.36 if p.channels_last else 0.73)
+        return work + moves + 10.0
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        """Blocks of the transform kernels (BLOCK_C channels x BLOCK_P tiles, tiles innermost) and
+        of the products (BLOCK_M x BLOCK_N x BLOCK_K, PRECISION for fp32 without TF32). H100, fp32
+        NCHW N=64, 3x3 128 @28 / 256 @14: input transform 36 / 24 us (2.3 / 2.1 TB/s) with one or
+        two channels of 64-128 tiles; products in 64 x 64 x 32 "ieee" tiles 103 / 129 us (tdnn.matmul
+        123 / 148, cuBLAS 109 / 129), 128 x 64 "tf32x3" 100 / 120."""
+        if INTERPRET:
+            return [{"BLOCK_C": 4, "BLOCK_P": 16, "num_warps": 4} | _products(16, 16, 16, "ieee", 4)]
+        transforms = {"BLOCK_C": 2, "BLOCK_P": 64, "num_warps": 4}
+        return [
+            transforms | _products(64, 64, 32, "ieee", 4),
+            transforms | _products(128, 64, 32, "tf32x3", 4),
+            {"BLOCK_C": 1, "BLOCK_P": 128, "num_warps": 4} | _products(64, 64, 32, "ieee", 4),
+            transforms | _products(64, 128, 32, "ieee", 4),
+        ]
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
+        tiles = p.n * th * tw
+        dtype = getattr(torch, p.dtype)
+        acc = tl.float64 if dtype == torch.float64 else tl.float32
+        bc, bp, warps = config["BLOCK_C"], config["BLOCK_P"], config["num_warps"]
+        big = p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
+        xs, ys, ws = p.x_strides, p.y_strides, p.w_strides
+        filters = launcher(
+            _filter4_kernel,
+            (cdiv(p.cout * p.cin_g, 256),),
+            2,
+            (p.cout, p.cin_g, ws[0], ws[1], ws[3], ws[4]),
+            (acc, 256),
+        )
+        ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
+        transform = launcher(
+            _input4_kernel, (cdiv(tiles, bp), cdiv(p.cin, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps
+        )
+        ints = (tiles, p.cout, th, tw, *p.out_size[1:], ys[0], ys[1], ys[3], ys[4], row_limit(p))
+        finish = launcher(
+            _output4_kernel,
+            (cdiv(tiles, bp), cdiv(p.cout, bc)),
+            6,
+            ints,
+            (*epilogue_constexprs(p), big, bc, bp),
+            num_warps=warps,
+        )
+        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+        precision = "tf32" if p.tf32 else "ieee" if dtype == torch.float64 else config["PRECISION"]
+        products = launcher(
+            _products_kernel,
+            (cdiv(p.cout_g, bm) * cdiv(tiles, bn), 36 * p.groups),
+            3,
+            (p.cout_g, p.cin_g, tiles),
+            (acc, precision, bm, bn, config["BLOCK_K"], 8),
+            num_warps=config["PRODUCT_WARPS"],
+            num_stages=1 if INTERPRET else 3,
+        )
+
+        def run(x, w, y, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+            u = torch.empty((36 * p.groups, p.cout_g, p.cin_g), dtype=dtype, device=x.device)
+            filters(w, u)
+            v = torch.empty((36 * p.groups, p.cin_g, tiles), dtype=dtype, device=x.device)
+            transform(x, v)
+            m = torch.empty((36 * p.groups, p.cout_g, tiles), dtype=dtype, device=x.device)
+            products(u, v, m)
             finish(m, y, c, bias, residual, pre, alpha, beta, p0, p1)
 
         return run

@@ -120,6 +120,42 @@ def test_benchmark_mode_times_every_config_and_caches_on_disk(cache_dir):
     assert (again.engine.name, again.config) == ("tuned", {"speed": "fast"}) and not calls
 
 
+BINDING = E.Family("toy_binding", _describe)
+
+
+@BINDING.register
+class SlowToBind(E.Engine[ToyProblem]):
+    """Binding takes 10 ms (a plan does it once), running nothing."""
+
+    name = "slow_to_bind"
+
+    def cost(self, problem):
+        return 2.0
+
+    def bind(self, problem, config):
+        time.sleep(0.01)
+        return lambda *args: None
+
+
+@BINDING.register
+class SlowToRun(E.Engine[ToyProblem]):
+    """Binding is free; each run takes 2 ms."""
+
+    name = "slow_to_run"
+
+    def cost(self, problem):
+        return 1.0
+
+    def launch(self, problem, config, *args):
+        time.sleep(0.002)
+
+
+def test_benchmark_mode_times_bound_runs(cache_dir):
+    """Candidates are timed as plans run them: bound once, then called."""
+    with tdnn.config.flags(benchmark=True):
+        assert BINDING.select(ToyProblem(5), lambda: ()).engine.name == "slow_to_bind"
+
+
 def test_benchmark_mode_without_arguments_uses_the_heuristic(cache_dir):
     with tdnn.config.flags(benchmark=True):
         assert TOY.select(ToyProblem(30)).config == {"speed": "slow"}

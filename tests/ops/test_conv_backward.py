@@ -82,6 +82,29 @@ def test_dgrad_wgrad_engines(case, last, poison):
         assert _steps(dw) == _steps(_in_layout_of(w, x))  # x's layout, as PyTorch's
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("pads", [((1, 1), (1, 1)), ((0, 2), (2, 1))], ids=["same", "uneven"])
+def test_winograd_4x4_dgrad(pads, last):
+    """The data gradient by F(4x4, 3x3): the forward engine over dy and the flipped, transposed
+    weights read in place through negative strides; 'same' and uneven padding (pre 0 and 2: the
+    equivalent forward's padding 2 and 0). Its bound is the forward engine's: 30x PyTorch's own
+    fp32 error plus 1e-5 relative (see ``winograd``)."""
+    case = ((2, 6, 9, 7), 6, (3, 3), (1, 1), pads, (1, 1), 1)
+    x, w, dy = _tensors(case, last=last)
+    rx, _ = conv_backward_reference(x, w, dy, (1, 1), pads, (1, 1), 1)
+    dx = conv.conv_backward_data(dy, w, x.shape, 1, pads, 1, 1, algo="winograd_4x4")
+    xg = x.detach().clone().requires_grad_(True)
+    (ph, pw) = pads
+    F.conv2d(F.pad(xg, (*pw, *ph)), w).backward(dy)
+    torch_err = float((xg.grad.double() - rx).abs().max())
+    err = float((dx.double() - rx).abs().max())
+    assert err <= 30 * torch_err + 1e-5 * float(rx.abs().max()), (err, torch_err)
+    with pytest.raises(tdnn.NotSupportedError, match="groups == 1"):
+        conv.conv_backward_data(dy, w[:, :3], x.shape, 1, pads, 1, 2, algo="winograd_4x4")
+    with pytest.raises(tdnn.NotSupportedError, match="16-bit"):
+        conv.conv_backward_data(dy.half(), w.half(), x.shape, 1, pads, 1, 1, algo="winograd_4x4")
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=str)
 def test_fp16_gradients(case):
     x, w, dy = _tensors(case, torch.float16, last=True)

@@ -35,6 +35,7 @@ multiplies are less time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,7 @@ from ...core.launcher import cdiv, launcher
 from ...core.numerics import convert
 from ..epilogue import apply_epilogue
 from ..matmul.kernels import dot, grouped
-from .engines import FAMILY, epilogue_constexprs, itemsize, peak, roofline, row_limit
+from .engines import DGRAD_FAMILY, FAMILY, epilogue_constexprs, itemsize, peak, roofline, row_limit
 from .problem import ConvProblem
 
 _G = [[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]]
@@ -663,14 +664,16 @@ def _store_row6(out, plane, i, t0, t1, t2, mask):
 
 @triton.jit
 def _filter4_kernel(
-    w_ptr, u_ptr, COUT, CG, s_o, s_c, s_h, s_w, ACC: tl.constexpr, BLOCK: tl.constexpr
+    w_ptr, u_ptr, COUT, CG, w_off, s_o, s_c, s_h, s_w, ACC: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
-    """U[xi, o, c] = (G g G^T)[xi] for the 3x3 filter g = w[o, c]; ``u`` contiguous [36, COUT, CG]."""
+    """U[xi, o, c] = (G g G^T)[xi] for the 3x3 filter g = w[o, c] at ``w_off + o * s_o + c * s_c``
+    (strides may be negative: the data gradient's flipped, transposed view); ``u`` contiguous
+    [36, COUT, CG]."""
     q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = q < COUT * CG
     o = q // CG
     c = q % CG
-    base = w_ptr + o * s_o + c * s_c
+    base = w_ptr + w_off + o * s_o + c * s_c
     g00 = convert(tl.load(base, mask=ok, other=0.0), ACC)
     g01 = convert(tl.load(base + s_w, mask=ok, other=0.0), ACC)
     g02 = convert(tl.load(base + 2 * s_w, mask=ok, other=0.0), ACC)
@@ -773,53 +776,101 @@ class Winograd4Engine(Engine[ConvProblem]):
         ]
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
-        p = problem
-        th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
-        tiles = p.n * th * tw
-        dtype = getattr(torch, p.dtype)
-        acc = tl.float64 if dtype == torch.float64 else tl.float32
-        bc, bp, warps = config["BLOCK_C"], config["BLOCK_P"], config["num_warps"]
-        big = p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
-        xs, ys, ws = p.x_strides, p.y_strides, p.w_strides
-        filters = launcher(
-            _filter4_kernel,
-            (cdiv(p.cout * p.cin_g, 256),),
-            2,
-            (p.cout, p.cin_g, ws[0], ws[1], ws[3], ws[4]),
-            (acc, 256),
-        )
-        ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
-        transform = launcher(
-            _input4_kernel, (cdiv(tiles, bp), cdiv(p.cin, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps
-        )
-        ints = (tiles, p.cout, th, tw, *p.out_size[1:], ys[0], ys[1], ys[3], ys[4], row_limit(p))
-        finish = launcher(
-            _output4_kernel,
-            (cdiv(tiles, bp), cdiv(p.cout, bc)),
-            6,
-            ints,
-            (*epilogue_constexprs(p), big, bc, bp),
-            num_warps=warps,
-        )
-        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-        precision = "tf32" if p.tf32 else "ieee" if dtype == torch.float64 else config["PRECISION"]
-        products = launcher(
-            _products_kernel,
-            (cdiv(p.cout_g, bm) * cdiv(tiles, bn), 36 * p.groups),
-            3,
-            (p.cout_g, p.cin_g, tiles),
-            (acc, precision, bm, bn, config["BLOCK_K"], 8),
-            num_warps=config["PRODUCT_WARPS"],
-            num_stages=1 if INTERPRET else 3,
-        )
+        return _bind4(problem, config, 0)
 
-        def run(x, w, y, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
-            u = torch.empty((36 * p.groups, p.cout_g, p.cin_g), dtype=dtype, device=x.device)
-            filters(w, u)
-            v = torch.empty((36 * p.groups, p.cin_g, tiles), dtype=dtype, device=x.device)
-            transform(x, v)
-            m = torch.empty((36 * p.groups, p.cout_g, tiles), dtype=dtype, device=x.device)
-            products(u, v, m)
-            finish(m, y, c, bias, residual, pre, alpha, beta, p0, p1)
 
-        return run
+def _bind4(p: ConvProblem, config: LaunchConfig, w_off: int) -> Callable[..., None]:
+    """The F(4x4, 3x3) forward of ``p``, its weights read at ``w_off`` elements past the pointer
+    through p's (possibly negative) weight strides."""
+    th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
+    tiles = p.n * th * tw
+    dtype = getattr(torch, p.dtype)
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    bc, bp, warps = config["BLOCK_C"], config["BLOCK_P"], config["num_warps"]
+    big = p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
+    xs, ys, ws = p.x_strides, p.y_strides, p.w_strides
+    filters = launcher(
+        _filter4_kernel,
+        (cdiv(p.cout * p.cin_g, 256),),
+        2,
+        (p.cout, p.cin_g, w_off, ws[0], ws[1], ws[3], ws[4]),
+        (acc, 256),
+    )
+    ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
+    transform = launcher(
+        _input4_kernel, (cdiv(tiles, bp), cdiv(p.cin, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps
+    )
+    ints = (tiles, p.cout, th, tw, *p.out_size[1:], ys[0], ys[1], ys[3], ys[4], row_limit(p))
+    finish = launcher(
+        _output4_kernel,
+        (cdiv(tiles, bp), cdiv(p.cout, bc)),
+        6,
+        ints,
+        (*epilogue_constexprs(p), big, bc, bp),
+        num_warps=warps,
+    )
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    precision = "tf32" if p.tf32 else "ieee" if dtype == torch.float64 else config["PRECISION"]
+    products = launcher(
+        _products_kernel,
+        (cdiv(p.cout_g, bm) * cdiv(tiles, bn), 36 * p.groups),
+        3,
+        (p.cout_g, p.cin_g, tiles),
+        (acc, precision, bm, bn, config["BLOCK_K"], 8),
+        num_warps=config["PRODUCT_WARPS"],
+        num_stages=1 if INTERPRET else 3,
+    )
+
+    def run(x, w, y, c, bias, residual, pre, alpha, beta, p0, p1) -> None:
+        u = torch.empty((36 * p.groups, p.cout_g, p.cin_g), dtype=dtype, device=x.device)
+        filters(w, u)
+        v = torch.empty((36 * p.groups, p.cin_g, tiles), dtype=dtype, device=x.device)
+        transform(x, v)
+        m = torch.empty((36 * p.groups, p.cout_g, tiles), dtype=dtype, device=x.device)
+        products(u, v, m)
+        finish(m, y, c, bias, residual, pre, alpha, beta, p0, p1)
+
+    return run
+
+
+def _forward_of_dgrad(p: ConvProblem) -> ConvProblem:
+    """The data gradient of a stride-1 3x3 convolution (groups 1) as the forward convolution of dy
+    with the flipped, transposed weights, padded 2 - pad: its weight strides (Cin, Cout, -kh, -kw)
+    read them in place from w[0, 0, 2, 2]."""
+    so, sc, sd, sh, sw = p.w_strides
+    return dataclasses.replace(
+        p,
+        direction="fwd",
+        cin=p.cout,
+        cout=p.cin,
+        in_size=p.out_size,
+        out_size=p.in_size,
+        x_strides=p.y_strides,
+        y_strides=p.x_strides,
+        pad=(p.pad[0], 2 - p.pad[1], 2 - p.pad[2]),
+        w_strides=(sc, so, sd, -sh, -sw),
+    )
+
+
+@DGRAD_FAMILY.register
+class Winograd4DgradEngine(Engine[ConvProblem]):
+    """Data gradient of a 3x3 stride-1 fp32 convolution by F(4x4, 3x3): the forward engine over dy
+    and the flipped, transposed weights (read in place), so with its numerics."""
+
+    name = "winograd_4x4"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        reasons = Winograd4Engine().not_supported_reasons(_forward_of_dgrad(problem))
+        if problem.groups != 1:
+            reasons.append(f"needs groups == 1: grouped weights transpose by groups (got {problem.groups})")
+        return reasons
+
+    def cost(self, problem: ConvProblem) -> float:
+        return Winograd4Engine().cost(_forward_of_dgrad(problem))
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return Winograd4Engine().configs(_forward_of_dgrad(problem))
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        _, _, _, sh, sw = problem.w_strides
+        return _bind4(_forward_of_dgrad(problem), config, 2 * sh + 2 * sw)

@@ -105,6 +105,37 @@ def test_winograd_4x4_dgrad(pads, last):
         conv.conv_backward_data(dy.half(), w.half(), x.shape, 1, pads, 1, 1, algo="winograd_4x4")
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pads", [((1, 1), (1, 1)), ((0, 2), (2, 1))], ids=["same", "uneven"])
+def test_winograd_4x4_wgrad(pads, splits, last, monkeypatch):
+    """The weight gradient by F(4x4, 3x3): dy's 4x4 tiles (partial at the edges: 9 x 7 outputs)
+    XX
+        30x PyTorch's own fp32 error plus 1e-5 relative, the forward engine's bound."""
+    from tritondnn.ops.conv import describe_wgrad, winograd
+
+    monkeypatch.setattr(winograd, "_wgrad_splits", lambda *args: splits)
+    case = ((3, 6, 13, 11), 5, (3, 3), (1, 1), pads, (1, 1), 1)
+    x, w, dy = _tensors(case, last=last)
+    _, rw = conv_backward_reference(x, w, dy, (1, 1), pads, (1, 1), 1)
+    # Bound here, not through the public call, whose plan cache would keep the first split count.
+    problem = describe_wgrad(x, dy, w.shape, 1, pads, 1, 1)
+    engine = winograd.Winograd4WgradEngine()
+    dw = _in_layout_of(torch.full(w.shape, float("nan"), device=DEVICE), x)
+    engine.bind(problem, engine.configs(problem)[0])(x, dy, dw)
+    wg = w.detach().clone().requires_grad_(True)
+    (ph, pw) = pads
+    F.conv2d(F.pad(x, (*pw, *ph)), wg).backward(dy)
+    torch_err = float((wg.grad.double() - rw).abs().max())
+    err = float((dw.double() - rw).abs().max())
+    assert err <= 30 * torch_err + 1e-5 * float(rw.abs().max()), (err, torch_err)
+    assert (
+        conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="winograd_4x4").stride() == dw.stride()
+    )
+    with pytest.raises(tdnn.NotSupportedError, match="groups == 1"):
+        conv.conv_backward_weight(x, dy[:, :4], (4, 3, 3, 3), 1, pads, 1, 2, algo="winograd_4x4")
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=str)
 def test_fp16_gradients(case):
     x, w, dy = _tensors(case, torch.float16, last=True)

@@ -82,23 +82,35 @@ def test_dgrad_wgrad_engines(case, last, poison):
         assert _steps(dw) == _steps(_in_layout_of(w, x))  # x's layout, as PyTorch's
 
 
+WINOGRAD_PADS = [((1, 1), (1, 1)), ((0, 2), (2, 1))]
+
+
+def _torch_padded_grads(x, w, dy, pads):
+    """PyTorch's own fp32 (dx, dw) for (pre, post) padding: its conv over x padded explicitly."""
+    xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    (ph, pw) = pads
+    F.conv2d(F.pad(xg, (*pw, *ph)), wg).backward(dy)
+    return xg.grad, wg.grad
+
+
+def _assert_winograd_bound(ours, ref, torch_same):
+    """F(4x4, 3x3)'s bound (see ``winograd``): 30x PyTorch's own fp32 error plus 1e-5 relative."""
+    torch_err = float((torch_same.double() - ref).abs().max())
+    err = float((ours.double() - ref).abs().max())
+    assert err <= 30 * torch_err + 1e-5 * float(ref.abs().max()), (err, torch_err)
+
+
 @pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
-@pytest.mark.parametrize("pads", [((1, 1), (1, 1)), ((0, 2), (2, 1))], ids=["same", "uneven"])
+@pytest.mark.parametrize("pads", WINOGRAD_PADS, ids=["same", "uneven"])
 def test_winograd_4x4_dgrad(pads, last):
     """The data gradient by F(4x4, 3x3): the forward engine over dy and the flipped, transposed
     weights read in place through negative strides; 'same' and uneven padding (pre 0 and 2: the
-    equivalent forward's padding 2 and 0). Its bound is the forward engine's: 30x PyTorch's own
-    fp32 error plus 1e-5 relative (see ``winograd``)."""
+    equivalent forward's padding 2 and 0)."""
     case = ((2, 6, 9, 7), 6, (3, 3), (1, 1), pads, (1, 1), 1)
     x, w, dy = _tensors(case, last=last)
     rx, _ = conv_backward_reference(x, w, dy, (1, 1), pads, (1, 1), 1)
     dx = conv.conv_backward_data(dy, w, x.shape, 1, pads, 1, 1, algo="winograd_4x4")
-    xg = x.detach().clone().requires_grad_(True)
-    (ph, pw) = pads
-    F.conv2d(F.pad(xg, (*pw, *ph)), w).backward(dy)
-    torch_err = float((xg.grad.double() - rx).abs().max())
-    err = float((dx.double() - rx).abs().max())
-    assert err <= 30 * torch_err + 1e-5 * float(rx.abs().max()), (err, torch_err)
+    _assert_winograd_bound(dx, rx, _torch_padded_grads(x, w, dy, pads)[0])
     with pytest.raises(tdnn.NotSupportedError, match="groups == 1"):
         conv.conv_backward_data(dy, w[:, :3], x.shape, 1, pads, 1, 2, algo="winograd_4x4")
     with pytest.raises(tdnn.NotSupportedError, match="16-bit"):
@@ -107,11 +119,11 @@ def test_winograd_4x4_dgrad(pads, last):
 
 @pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("pads", [((1, 1), (1, 1)), ((0, 2), (2, 1))], ids=["same", "uneven"])
+@pytest.mark.parametrize("pads", WINOGRAD_PADS, ids=["same", "uneven"])
 def test_winograd_4x4_wgrad(pads, splits, last, monkeypatch):
-    """The weight gradient by F(4x4, 3x3): dy's 4x4 tiles (partial at the edges: 9 x 7 outputs)
-    XX
-        30x PyTorch's own fp32 error plus 1e-5 relative, the forward engine's bound."""
+    """The weight gradient by F(4x4, 3x3): dy's 4x4 tiles (partial at the edges: 13 x 11 or 13 x
+    12 outputs) by A, x's patches by B^T, 36 products over the 36 tiles in one or three splits (of
+    16 under the interpreter), G^T dU G; dw in x's layout, as PyTorch's."""
     from tritondnn.ops.conv import describe_wgrad, winograd
 
     monkeypatch.setattr(winograd, "_wgrad_splits", lambda *args: splits)
@@ -123,15 +135,9 @@ def test_winograd_4x4_wgrad(pads, splits, last, monkeypatch):
     engine = winograd.Winograd4WgradEngine()
     dw = _in_layout_of(torch.full(w.shape, float("nan"), device=DEVICE), x)
     engine.bind(problem, engine.configs(problem)[0])(x, dy, dw)
-    wg = w.detach().clone().requires_grad_(True)
-    (ph, pw) = pads
-    F.conv2d(F.pad(x, (*pw, *ph)), wg).backward(dy)
-    torch_err = float((wg.grad.double() - rw).abs().max())
-    err = float((dw.double() - rw).abs().max())
-    assert err <= 30 * torch_err + 1e-5 * float(rw.abs().max()), (err, torch_err)
-    assert (
-        conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="winograd_4x4").stride() == dw.stride()
-    )
+    _assert_winograd_bound(dw, rw, _torch_padded_grads(x, w, dy, pads)[1])
+    public = conv.conv_backward_weight(x, dy, w.shape, 1, pads, 1, 1, algo="winograd_4x4")
+    assert public.stride() == dw.stride()
     with pytest.raises(tdnn.NotSupportedError, match="groups == 1"):
         conv.conv_backward_weight(x, dy[:, :4], (4, 3, 3, 3), 1, pads, 1, 2, algo="winograd_4x4")
 

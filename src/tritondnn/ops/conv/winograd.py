@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -803,26 +804,43 @@ class Winograd4Engine(Engine[ConvProblem]):
         return _bind4(problem, config, 0)
 
 
+def _patches(p: ConvProblem, config: LaunchConfig) -> tuple[int, Callable[..., None]]:
+    """(tiles, launch(x, v)): 4x4 output tiles over p's output grid and the input transform of
+    x's 6x6 patches into V [36, Cin, tiles] (the forward's and the weight gradient's)."""
+    th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
+    tiles = p.n * th * tw
+    bc, bp = config["BLOCK_C"], config["BLOCK_P"]
+    xs = p.x_strides
+    ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
+    constexprs = (_acc(p), _index_64(p, tiles), bc, bp)
+    grid = (cdiv(tiles, bp), cdiv(p.cin, bc))
+    return tiles, launcher(_input4_kernel, grid, 2, ints, constexprs, num_warps=config["num_warps"])
+
+
+def _acc(p: ConvProblem) -> Any:
+    return tl.float64 if p.dtype == "float64" else tl.float32
+
+
+def _index_64(p: ConvProblem, tiles: int) -> bool:
+    """Whether the transforms' [36, channels, tiles] buffers need 64-bit offsets."""
+    return p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
+
+
 def _bind4(p: ConvProblem, config: LaunchConfig, w_off: int) -> Callable[..., None]:
     """The F(4x4, 3x3) forward of ``p``, its weights read at ``w_off`` elements past the pointer
     through p's (possibly negative) weight strides."""
+    tiles, transform = _patches(p, config)
     th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
-    tiles = p.n * th * tw
     dtype = getattr(torch, p.dtype)
-    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    acc, big = _acc(p), _index_64(p, tiles)
     bc, bp, warps = config["BLOCK_C"], config["BLOCK_P"], config["num_warps"]
-    big = p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
-    xs, ys, ws = p.x_strides, p.y_strides, p.w_strides
+    ys, ws = p.y_strides, p.w_strides
     filters = launcher(
         _filter4_kernel,
         (cdiv(p.cout * p.cin_g, 256),),
         2,
         (p.cout, p.cin_g, w_off, ws[0], ws[1], ws[3], ws[4]),
         (acc, 256),
-    )
-    ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
-    transform = launcher(
-        _input4_kernel, (cdiv(tiles, bp), cdiv(p.cin, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps
     )
     ints = (tiles, p.cout, th, tw, *p.out_size[1:], ys[0], ys[1], ys[3], ys[4], row_limit(p))
     finish = launcher(
@@ -1078,17 +1096,12 @@ class Winograd4WgradEngine(Engine[ConvProblem]):
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
+        tiles, patches = _patches(p, config)
         th, tw = cdiv(p.out_size[1], 4), cdiv(p.out_size[2], 4)
-        tiles = p.n * th * tw
         dtype = getattr(torch, p.dtype)
-        acc = tl.float64 if dtype == torch.float64 else tl.float32
+        acc, big = _acc(p), _index_64(p, tiles)
         bc, bp, warps = config["BLOCK_C"], config["BLOCK_P"], config["num_warps"]
-        big = p.index_64 or 36 * tiles * max(p.cin, p.cout) >= 2**31
-        xs, ys, ws = p.x_strides, p.y_strides, p.w_strides
-        ints = (tiles, p.cin, th, tw, *p.in_size[1:], xs[0], xs[1], xs[3], xs[4], p.pad[1], p.pad[2])
-        patches = launcher(
-            _input4_kernel, (cdiv(tiles, bp), cdiv(p.cin, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps
-        )
+        ys, ws = p.y_strides, p.w_strides
         ints = (tiles, p.cout, th, tw, *p.out_size[1:], ys[0], ys[1], ys[3], ys[4])
         grads = launcher(
             _dy4_kernel, (cdiv(tiles, bp), cdiv(p.cout, bc)), 2, ints, (acc, big, bc, bp), num_warps=warps

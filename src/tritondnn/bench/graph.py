@@ -8,7 +8,8 @@ torch.compile.
 * matmul 8192^3 + bias + GELU (bf16): one GEMM with the tail in its epilogue;
 * build time of a 20-node graph in fast mode with a warm kernel cache (host work only: the device
   is idle, so the timed interval is the host's);
-* the host overhead of ``plan.execute`` for a one-kernel plan on a small tensor (a host case).
+* the host overhead of ``plan.execute`` on small tensors (host cases): the one-kernel plan of the
+  DAG against its six eager ops, and the 20-node graph (five kernels) against its 20 eager ops.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def _matmul_ref(a, w, b):
     return F.gelu(a @ w + b)
 
 
-def _twenty_nodes() -> Graph:
-    """20 nodes: pointwise chains around a layernorm and a reduction."""
+def _twenty_nodes(rows: int = 4096, cols: int = 1024) -> Graph:
+    """20 nodes: pointwise chains around a layernorm and a reduction (five kernels)."""
     g = Graph(io_dtype=BF16, name="twenty")
-    x, y, b = g.tensor((4096, 1024), name="x"), g.tensor((4096, 1024), name="y"), g.tensor((1024,), name="b")
+    x, y, b = g.tensor((rows, cols), name="x"), g.tensor((rows, cols), name="y"), g.tensor((cols,), name="b")
     h = g.relu(g.bias(g.mul(x, y), b))
     for _ in range(3):
         h = g.tanh(g.add(g.mul(h, 0.5), x))
@@ -67,6 +68,16 @@ def _twenty_nodes() -> Graph:
     g.set_output(g.exp(g.neg(s)))
     assert len(g.nodes) == 20
     return g
+
+
+def _twenty_ref(x: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_twenty_nodes`` in PyTorch eager: 20 ops."""
+    h = torch.relu(x * y + b)
+    for _ in range(3):
+        h = torch.tanh(h * 0.5 + x)
+    n = F.layer_norm(h, h.shape[-1:])
+    s = torch.mean(torch.square(n), dim=1, keepdim=True)
+    return torch.sigmoid(n - s) * 2.0, torch.exp(-s)
 
 
 def cases(quick: bool) -> Iterator[Case]:
@@ -92,6 +103,16 @@ def cases(quick: bool) -> Iterator[Case]:
     yield Case(
         "pointwise dag 6 ops 8x64 bf16 execute (host)",
         providers(tritondnn=partial(small_plan.execute, small), torch=partial(_dag, *small.values())),
+        host=True,
+    )
+    twenty_feeds = {"x": small["x"], "y": small["y"], "b": small["z"][0]}
+    twenty_plan = _twenty_nodes(8, 64).build()
+    yield Case(
+        f"graph 20 nodes {len(twenty_plan.steps)} kernels 8x64 bf16 execute (host)",
+        providers(
+            tritondnn=partial(twenty_plan.execute, twenty_feeds),
+            torch=partial(_twenty_ref, *twenty_feeds.values()),
+        ),
         host=True,
     )
     del x, y, z, out, feeds, plan

@@ -82,6 +82,28 @@ def test_dgrad_wgrad_engines(case, last, poison):
         assert _steps(dw) == _steps(_in_layout_of(w, x))  # x's layout, as PyTorch's
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0]) - 2}d-{c[0]}-s{c[3]}-g{c[6]}")
+@pytest.mark.parametrize("last", [False, True], ids=["contiguous", "channels_last"])
+def test_wgrad_engines_store_fp32_from_16_bit(case, last, poison):
+    """Every weight-gradient engine stores an fp32 dw from fp16 operands (what an fp32 master
+    weight's gradient under autocast takes): the fp32 sums themselves, which round to the fp16
+    dw of the same engine."""
+    from tritondnn.ops.conv.plans import wgrad_plan
+
+    _, _, _, stride, pads, dilation, groups = case
+    x, w, dy = _tensors(case, torch.float16, last)
+    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, groups)
+    geometry = (list(w.shape), stride, [p[0] for p in pads], dilation, groups)
+    reports = tdnn.engines("conv_wgrad", x, dy, list(w.shape), stride, pads, dilation, groups)
+    for engine in sorted({"implicit_gemm", *(r.name for r in reports if r.supported)}):
+        wide = wgrad_plan(x, dy, *geometry, engine, torch.float32)(x, dy)
+        narrow = wgrad_plan(x, dy, *geometry, engine)(x, dy)
+        assert wide.dtype == torch.float32 and narrow.dtype == torch.float16
+        assert wide.stride() == narrow.stride()
+        assert_close(wide, rw.float(), what=f"fp32 wgrad {engine}")
+        assert torch.equal(wide.half(), narrow), f"wgrad {engine}: fp16 dw is not the fp32 one rounded"
+
+
 WINOGRAD_PADS = [((1, 1), (1, 1)), ((0, 2), (2, 1))]
 
 

@@ -26,8 +26,8 @@ from .layers import Conv2d, _bn_state, _hooked, fusable_batch_norm, on_backend
 
 class _ConvBatchNorm(torch.autograd.Function):
     """y = bn(conv(x, cast(weight))) [+ residual, relu]; backward: batch norm's, then the
-    convolution's data and weight gradients (autograd casts the weight's to its dtype, as it
-    does any gradient of another dtype than its input's)."""
+    convolution's data and weight gradients, the weight's stored in the (master) weight's dtype
+    from the kernels' fp32 sums (no cast node, no cast launch)."""
 
     @staticmethod
     def forward(
@@ -39,6 +39,7 @@ class _ConvBatchNorm(torch.autograd.Function):
         y, workspace = bn_program[0](h, bn_weight, bn_bias, residual, running_mean, running_var, momentum)
         ctx.save_for_backward(x, w, h, bn_weight, bn_bias, workspace, y if bn_program[2] else None)
         ctx.programs = programs
+        ctx.weight_dtype = weight.dtype
         return y
 
     @staticmethod
@@ -47,7 +48,7 @@ class _ConvBatchNorm(torch.autograd.Function):
         need_x, need_w, need_bn_w, need_bn_b = ctx.needs_input_grad[:4]
         conv_program, bn_program = ctx.programs
         dh, dbn_w, dbn_b, dr = bn_program[1](dy, h, bn_weight, bn_bias, workspace, y, need_bn_w, need_bn_b)
-        dx, dw, _ = conv_program[1](dh, x, w, need_x, need_w, False)
+        dx, dw, _ = conv_program[1](dh, x, w, need_x, need_w, False, ctx.weight_dtype)
         dr = dr if ctx.needs_input_grad[6] else None
         return dx, dw, dbn_w, dbn_b, None, None, dr, None, None, None
 

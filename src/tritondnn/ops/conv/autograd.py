@@ -136,7 +136,7 @@ def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return grad
     if all(g == w for g, w, n in zip(grad.stride(), param.stride(), param.shape) if n > 1):
         return grad.as_strided(param.shape, param.stride())
-    return torch.empty_like(param).copy_(grad)
+    return torch.empty_like(param, dtype=grad.dtype).copy_(grad)
 
 
 class _ConvTransposeFunction(torch.autograd.Function):

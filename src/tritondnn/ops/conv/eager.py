@@ -124,16 +124,19 @@ def eager_program(x, weight, bias, geometry) -> Callable[..., torch.Tensor] | No
     def forward(x, weight, bias):
         return run_forward(x, weight, bias, None, None, 1.0, 1.0, 0.0, 0.0)[0]
 
-    def backward(dy, x, weight, need_x, need_w, need_bias):
+    def backward(dy, x, weight, need_x, need_w, need_bias, weight_grad_dtype=None):
+        """(dx, dw, dbias); dw in ``weight_grad_dtype`` where given (a master weight's, when
+        ``weight`` is its low-precision cast), else weight's."""
         d, dbias = epilogue_grads(dy, None, -1, 0.0, 0.0, need_bias, bias_dtype, last)
-        key = (config.version, d.shape, d.stride(), d.dtype)
+        key = (config.version, d.shape, d.stride(), d.dtype, weight_grad_dtype)
         runs = gradient_runs.get(key)
         if runs is None:
             size = list(x.shape)
             runs = gradient_runs[key] = (
                 dgrad_plan(d, weight, None, None, None, size, stride, pad_pre, dilation, groups, -1, False,
                            x.dtype, last, None),
-                wgrad_plan(x, d, list(weight.shape), stride, pad_pre, dilation, groups, None),
+                wgrad_plan(x, d, list(weight.shape), stride, pad_pre, dilation, groups, None,
+                           weight_grad_dtype),
             )  # fmt: skip
         dx = runs[0](d, weight, None, None, None, 1.0, 0.0, 0.0, 0.0)[0] if need_x else None
         dw = _like_param(runs[1](x, d), weight) if need_w else None

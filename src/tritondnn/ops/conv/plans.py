@@ -249,16 +249,20 @@ def dgrad_plan(
     return run
 
 
-def empty_weight_grad(x: torch.Tensor, weight_size: Sequence[int]) -> torch.Tensor:
-    """An uninitialized weight gradient in x's dtype and layout: channels-last for a channels-last
-    x (as PyTorch returns it; the kernels then store input channels innermost, in whole sectors,
-    where contiguous taps innermost scatter them: ResNet-50's 3x3 layers' shifted weight gradient
-    ran 1.2-1.4x faster on an H100), contiguous otherwise."""
-    return empty_conv_tensor(weight_size, x.dtype, x.device, channels_last(x))
+def empty_weight_grad(
+    x: torch.Tensor, weight_size: Sequence[int], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An uninitialized weight gradient in x's layout and dtype (or ``dtype``): channels-last for
+    a channels-last x (as PyTorch returns it; the kernels then store input channels innermost, in
+    whole sectors, where contiguous taps innermost scatter them: ResNet-50's 3x3 layers' shifted
+    weight gradient ran 1.2-1.4x faster on an H100), contiguous otherwise."""
+    return empty_conv_tensor(weight_size, dtype or x.dtype, x.device, channels_last(x))
 
 
-def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
-    """``run(x, dy) -> dw`` (x's dtype and layout, ``empty_weight_grad``)."""
+def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo, out_dtype=None):
+    """``run(x, dy) -> dw`` (x's layout, ``empty_weight_grad``; x's dtype, or ``out_dtype``: an
+    fp32 master weight's gradient stored from the fp32 sums of 16-bit operands, with no cast)."""
+    out_dtype = out_dtype or x.dtype
     key = (
         "wgrad",
         config.version,
@@ -270,11 +274,12 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
         tuple(dilation),
         groups,
         algo,
+        out_dtype,
     )
     run = _plans.get(key)
     if run is None:
         shape = tuple(weight_size)
-        dw = empty_weight_grad(x, shape)
+        dw = empty_weight_grad(x, shape, out_dtype)
         dw_strides = dw.stride()
         problem = make_problem(
             "wgrad",
@@ -286,20 +291,20 @@ def wgrad_plan(x, dy, weight_size, stride, pad_pre, dilation, groups, algo):
             dilation,
             groups,
             x.dtype,
-            x.dtype,
+            out_dtype,
         )
         launch = None
         if dw.numel() and x.numel() and dy.numel():
             choice = WGRAD_FAMILY.choose(
                 problem,
                 algo,
-                lambda: (x, dy, empty_weight_grad(x, shape)),
+                lambda: (x, dy, empty_weight_grad(x, shape, out_dtype)),
                 "tdnn.conv_wgrad",
             )
             launch = choice.engine.bind(problem, choice.config)
 
         def run(x, dy):
-            dw = torch.empty_strided(shape, dw_strides, dtype=x.dtype, device=x.device)
+            dw = torch.empty_strided(shape, dw_strides, dtype=out_dtype, device=x.device)
             if launch is None:
                 return dw.zero_()
             launch(x, dy, dw)

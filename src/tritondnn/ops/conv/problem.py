@@ -55,16 +55,36 @@ def channels_last(x: torch.Tensor) -> bool:
 def empty_conv_tensor(
     shape: Sequence[int], dtype: torch.dtype, device: torch.device, last: bool
 ) -> torch.Tensor:
-    """An uninitialized (N, C, *spatial) tensor, channels-last or contiguous."""
+    """An uninitialized (N, C, *spatial) tensor, channels-last or contiguous (one allocation, no
+    view on top: the training step's host time counts each call)."""
     shape = tuple(shape)
     if not last:
         return torch.empty(shape, dtype=dtype, device=device)
-    return torch.empty((shape[0], *shape[2:], shape[1]), dtype=dtype, device=device).movedim(-1, 1)
+    return torch.empty_strided(shape, channels_last_strides_of(shape), dtype=dtype, device=device)
+
+
+def channels_last_strides_of(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense (N, C, *spatial) tensor with its channels innermost."""
+    c = shape[1]
+    strides = [1] * len(shape)
+    step = c
+    for d in range(len(shape) - 1, 1, -1):
+        strides[d] = step
+        step *= shape[d]
+    strides[0] = step
+    return tuple(strides)
+
+
+def _dense_channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense with its channels innermost (sizes-1 dimensions' strides aside; an
+    empty tensor is)."""
+    expected = channels_last_strides_of(t.shape)
+    return not t.numel() or all(n == 1 or s == e for n, s, e in zip(t.shape, t.stride(), expected))
 
 
 def in_layout(t: torch.Tensor, last: bool) -> torch.Tensor:
     """``t`` in the contiguous or channels-last layout (a copy only when it is in another)."""
-    if last == channels_last(t) and (t.movedim(1, -1).is_contiguous() if last else t.is_contiguous()):
+    if last == channels_last(t) and (_dense_channels_last(t) if last else t.is_contiguous()):
         return t
     if not last:
         return t.contiguous()

@@ -20,8 +20,11 @@ Cases:
   on the same data (``--losses`` writes them), beside two controls: rank 1 trains the one-GPU
   model on the same batches with their rows reversed, which changes nothing but the order of
   every batch reduction, and each rank trains on its share with no communication at all. The
-  run fails where a split run's losses differ by more than ``LossCheck.TOLERANCE``, or where the
-  uncommunicating control stays within it too (a check that could not have failed).
+  run fails where a split run's losses differ by more than that tolerance, or where the
+  uncommunicating control stays within it too (a check that could not have failed). The
+  tolerance is ``LossCheck.bound``: the larger of a fixed floor and a multiple of the reversed
+  rows' difference, since a model whose training amplifies rounding (ResNet-50 in bf16) moves
+  its losses by percents under a mere change of summation order.
 """
 
 from __future__ import annotations
@@ -266,12 +269,19 @@ class LossCheck:
     batches' rows reversed (the noise of reduction order alone) and the split run without any
     communication (what a check must tell apart from synchronized training).
 
-    ``TOLERANCE``, relative: measured on an H200 over 12 steps of GPT-2 small in bf16, reversed
-    rows moved the loss by 2-4e-6 and DDP/FSDP2 splits by 2e-6 to 1.5e-5; fp32 on a CPU, 1e-7
-    to 2e-7, and ranks training alone on their halves (tiny GPT, 3 steps) by 3.8e-4. Every run
-    reports its own controls (``noise``, ``unsynced_error``)."""
+    The split run passes within ``bound``, relative: ``TOLERANCE`` or ``NOISE_FACTOR`` times the
+    reversed rows' difference (``noise``), whichever is larger. A split changes the order of
+    the batch's sums and nothing else, as reversing the rows does, so its losses may move as far
+    as that control's, with a margin for the control being one sample. Measured on H200s: GPT-2
+    small in bf16 (8-12 steps), reversed rows moved the loss by 1-4e-6 and DDP/FSDP2 splits by
+    1.5e-6 to 1.5e-5 (the floor decides); ResNet-50 in bf16 (8 steps, SGD at 0.05 with momentum)
+    amplifies rounding, step by step: reversed rows 2.6e-4 at the first step's forward, 1.2-2.1e-2
+    by the eighth; the splits 0.7-2.5e-2 (1.3-2.0x the reversed rows' difference); ranks
+    training alone 1.1e-1. fp32 on a CPU: 1e-7 to 2e-7, and ranks alone (tiny GPT, 3 steps)
+    3.8e-4. Every run reports its own controls (``noise``, ``unsynced_error``)."""
 
     TOLERANCE = 1e-4
+    NOISE_FACTOR = 4.0
 
     case: str
     split: list[float]
@@ -296,12 +306,19 @@ class LossCheck:
         return self._worst(self.unsynced, self.one_gpu)
 
     @property
+    def bound(self) -> float:
+        """The largest relative difference a split run may show: the floor, or the noise of the
+        summation order with its margin."""
+        return max(self.TOLERANCE, self.NOISE_FACTOR * self.noise)
+
+    @property
     def verdict(self) -> str:
         """ "ok", "TOO LARGE", or "INCONCLUSIVE" where unsynchronized training also stays within
-        the tolerance (the check could not have failed: train more steps)."""
-        if self.unsynced_error <= self.TOLERANCE:
+        the bound (the check could not have failed: train more steps, or fewer where the noise
+        grows as fast as the ranks drift apart)."""
+        if self.unsynced_error <= self.bound:
             return "INCONCLUSIVE"
-        return "ok" if self.error <= self.TOLERANCE else "TOO LARGE"
+        return "ok" if self.error <= self.bound else "TOO LARGE"
 
     @property
     def ok(self) -> bool:
@@ -414,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for check in checks:
             table.echo(
                 f"losses {check.case}: worst relative difference from one GPU {check.error:.2e}"
-                f" (tolerance {check.TOLERANCE:.0e}; rows reversed {check.noise:.2e},"
+                f" (bound {check.bound:.2e}; rows reversed {check.noise:.2e},"
                 f" unsynchronized {check.unsynced_error:.2e}) {check.verdict}"
             )
         if rank == 0 and args.json:
@@ -425,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     dataclasses.asdict(c),
                     error=c.error,
                     noise=c.noise,
+                    bound=c.bound,
                     unsynced_error=c.unsynced_error,
                     verdict=c.verdict,
                     ok=c.ok,

@@ -106,6 +106,20 @@ def test_block_relu_forms_are_fused(relu, fused_calls):
     assert fused_calls[:2] == [("relu", False), ("relu", True)]
 
 
+def test_sync_batch_norm_takes_relu_and_residual(fused_calls):
+    """A block whose batch norms are tritondnn's SyncBatchNorm: ReLU and residual add join them
+    (their forward_relu), the convolutions stay apart. In one process SyncBatchNorm is batch
+    norm, so the values match the plain model (the synchronized forms: test_sync_batchnorm.py)."""
+    torch.manual_seed(0)
+    model = Block(4).to(DEVICE)
+    ours = tnn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    report = tnn.patch(ours, fuse=True)
+    assert type(ours.bn1) is tnn.SyncBatchNorm
+    assert report.fused == [("bn1", "batch_norm+relu"), ("bn2", "batch_norm+add+relu")]
+    _compare_steps(model, ours, randn(2, 4, 6, 5), "sync")
+    assert fused_calls[:2] == [("relu", False), ("relu", True)]
+
+
 @pytest.mark.parametrize("add", list(ADDS))
 def test_block_add_forms_are_fused(add, fused_calls):
     model, ours, report = _pair(lambda: Block(4, add=add))

@@ -126,3 +126,58 @@ def test_ranks_together_match_batch_norm_of_the_whole_batch(sizes, dtype, channe
         torch.testing.assert_close(r[4].double(), rm, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(r[5].double(), rv, rtol=1e-3, atol=1e-3)
         assert torch.all(r[6] == x.numel() // channels)
+
+
+RELU_CASES = [((3, 5), torch.float32, False), ((0, 6), torch.float32, True)]
+if ON_GPU:
+    RELU_CASES.append(((5, 3), torch.bfloat16, True))
+
+
+@pytest.mark.parametrize(("sizes", "dtype", "channels_last"), RELU_CASES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["relu", "add+relu"])
+def test_fused_relu_and_residual(sizes, dtype, channels_last, with_residual):
+    """relu(bn(x) [+ r]) over the ranks' batches: the forward applies both in its finalize pass;
+    without a residual the backward takes the ReLU's gradient from the recomputed pre-activation
+    values (with one, the module takes it from y first and calls the backward without it)."""
+    from tritondnn.ops.norm.common import activation_kind
+
+    relu = activation_kind("relu")
+    gen = torch.Generator().manual_seed(1)
+    channels = 5
+    x = (torch.randn(sum(sizes), channels, 4, 3, generator=gen) * 2 + 30).to(DEVICE)
+    dy, r = (torch.randn(x.shape, generator=gen).to(DEVICE) for _ in range(2))
+    weight, bias = (
+        (torch.rand(channels, generator=gen) + 0.5).to(DEVICE),
+        torch.randn(channels, generator=gen).to(DEVICE),
+    )
+    layout = (lambda t: t.contiguous(memory_format=torch.channels_last)) if channels_last else (lambda t: t)
+    x, dy, r = (layout(t.to(dtype)) for t in (x, dy, r))
+    group = TakingTurns(len(sizes))
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+
+    def rank_step(rank: int):
+        rows = slice(starts[rank], starts[rank + 1])
+        y, mean, invstd, count = sync_batch_norm_forward(
+            x[rows], weight, bias, None, None, 0.1, 1e-5, len(sizes), group.all_gather(rank), *relu,
+            r[rows] if with_residual else None,
+        )  # fmt: skip
+        if with_residual:  # the residual's gradient is ReLU's, taken from y as the module does
+            dz = torch.where(y > 0, dy[rows], 0)
+            dx = sync_batch_norm_backward(dz, x[rows], weight, mean, invstd, count, group.all_reduce(rank))[0]
+        else:
+            dx = sync_batch_norm_backward(
+                dy[rows], x[rows], weight, mean, invstd, count, group.all_reduce(rank), True, bias, *relu
+            )[0]
+        return y, dx
+
+    ranks = group.run(rank_step)
+    xr = x.double().requires_grad_(True)
+    z = F.batch_norm(xr, None, None, weight.double(), bias.double(), training=True, eps=1e-5)
+    yr = torch.relu(z + r.double() if with_residual else z)
+    assert 0.2 < (yr > 0).double().mean() < 0.8  # both sides of the ReLU
+    (dxr,) = torch.autograd.grad(yr, xr, dy.double())
+    zt = F.batch_norm(x, None, None, weight.to(dtype), bias.to(dtype), training=True, eps=1e-5)
+    yt = torch.relu(zt + r if with_residual else zt)
+    y, dx = (torch.cat([k[i] for k in ranks]) for i in (0, 1))
+    assert_close(y, yr.detach(), yt, "y")
+    assert_close(dx, dxr, None if dtype == torch.float32 else dxr.to(dtype), "dx")

@@ -20,6 +20,7 @@ from .layers import (
     _hooked,
     fusable_batch_norm,
     on_backend,
+    relu_fusable_batch_norm,
     run_or_fallback,
 )
 
@@ -74,7 +75,7 @@ class Sequential(nn.Sequential):
                 relu = i + 2 < len(modules) and _relu(modules[i + 2])
                 input = conv_batch_norm(module, then, input, None, relu)
                 i += 3 if relu else 2
-            elif pair and fusable_batch_norm(module) and _relu(then):
+            elif pair and relu_fusable_batch_norm(module) and _relu(then):
                 input = module.forward_relu(input)
                 i += 2
             else:

@@ -10,7 +10,9 @@ such module's forward with torch.fx, its children left as calls (not traced into
 with x = conv(z) or not, and bn(conv(z)) alone, where nothing else reads the intermediate
 values, and replaces the module's forward with the rewritten graph: one autograd node instead of
 two to four, forward and backward, and no intermediate tensors between batch norm and ReLU
-(``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution). The
+(``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution).
+``tdnn.nn.SyncBatchNorm`` takes the ReLU and the residual the same way (its finalize pass applies
+them between its collectives) but not the convolution before it. The
 graph calls the same child modules (their parameters, buffers, train/eval state), so
 ``state_dict``, the optimizer and ``train()``/``eval()`` are unaffected.
 
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .conv_bn import conv_batch_norm
-from .layers import Conv2d, ReLU, _BatchNormMixin, _hooked, fusable_batch_norm
+from .layers import Conv2d, ReLU, _hooked, fusable_batch_norm, relu_fusable_batch_norm
 
 # The marker on a module whose forward was replaced: unpatch deletes the instance attribute.
 FUSED_FORWARD = "_tdnn_fused_forward"
@@ -48,7 +50,7 @@ class _ChildrenAsLeaves(fx.Tracer):
         return True
 
 
-def batch_norm_relu(module: _BatchNormMixin, input: torch.Tensor, residual: torch.Tensor | None) -> Any:
+def batch_norm_relu(module: nn.Module, input: torch.Tensor, residual: torch.Tensor | None) -> Any:
     """``relu(module(input) + residual)`` (or without the residual) as one op: what a fused graph
     calls in place of the batch norm node and the nodes it absorbed."""
     return module.forward_relu(input, residual)
@@ -119,10 +121,11 @@ def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         bn = root.get_submodule(node.target)
-        if not fusable_batch_norm(bn) or _hooked(bn):
+        if not relu_fusable_batch_norm(bn) or _hooked(bn):
             continue
         relu, add, residual = _tail(node, root)
-        conv = _conv_before(node, root)
+        # A synchronized batch norm takes the ReLU (and residual) but not the convolution.
+        conv = _conv_before(node, root) if fusable_batch_norm(bn) else None
         if relu is None and conv is None:
             continue
         pattern = "+".join(
@@ -156,7 +159,7 @@ def _own_module(module: nn.Module) -> bool:
     cls = type(module)
     if cls.__module__.startswith(("torch.", f"{__package__}.")):
         return False
-    return any(fusable_batch_norm(child) for child in module.children())
+    return any(relu_fusable_batch_norm(child) for child in module.children())
 
 
 def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:

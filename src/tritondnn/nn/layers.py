@@ -223,7 +223,7 @@ class _BatchNormMixin:
         """``relu(self(input) + residual)`` (or ``relu(self(input))``) as one fused op, for
         ``Sequential`` and patch-time fusion (see fusion.py); a residual tdnn.batch_norm cannot
         take (another shape or dtype: torch would broadcast or promote) is added unfused."""
-        args = self._batch_norm_args(input)
+        args = _BatchNormMixin._batch_norm_args(self, input)  # SyncBatchNorm borrows this too
 
         def ours() -> torch.Tensor:
             if residual is None or (
@@ -241,8 +241,19 @@ class _BatchNormMixin:
 
 def fusable_batch_norm(module: object) -> bool:
     """A tritondnn batch norm whose forward is ours (not a subclass's own): ``forward_relu`` may
-    stand in for its call."""
+    stand in for its call, and the convolution before it may join it (conv_bn.py)."""
     return isinstance(module, _BatchNormMixin) and type(module).forward is _BatchNormMixin.forward
+
+
+# The forwards whose module's ``forward_relu(x, r)`` computes ``relu(forward(x) [+ r])`` fused:
+# a subclass overriding forward is not fused. sync_batchnorm.py adds SyncBatchNorm's.
+RELU_FUSABLE_FORWARDS = {_BatchNormMixin.forward}
+
+
+def relu_fusable_batch_norm(module: object) -> bool:
+    """A tritondnn batch norm (synchronized or not) whose ``forward_relu`` may stand in for
+    ``relu(module(x) [+ r])``."""
+    return getattr(type(module), "forward", None) in RELU_FUSABLE_FORWARDS
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):

@@ -7,9 +7,12 @@
   an all-gather of the buffers; one kernel combining the ranks' moments with Chan's parallel
   formula in rank order (exact, and free of the cancellation that summing raw squares across
   ranks would suffer for large means), updating the running statistics and writing the global
-  count; then the finalize + apply pass.
+  count; then the finalize + apply pass, which may add a residual and apply an activation
+  (ResNet's BN + ReLU and BN + add + ReLU, as the one-process batch norm fuses them).
 * backward: the reduction of ``sum(dy)`` and ``sum(dy * x_hat)`` into one (2, C) buffer, divided
-  by the global count, one all-reduce of it, and the elementwise pass.
+  by the global count, one all-reduce of it, and the elementwise pass; an activation's gradient
+  is taken inside both passes from the recomputed pre-activation values (with a residual, the
+  caller takes it from the saved output first, as that gradient is also the residual's).
 
 The collectives are passed in as callables, so this module needs no process group. Counts stay on
 the device: no host synchronization. A rank may hold no rows; it still joins both collectives.
@@ -134,17 +137,23 @@ def sync_batch_norm_forward(
     eps: float,
     world: int,
     all_gather: Callable[[torch.Tensor, torch.Tensor], object],
+    act: int = NO_ACTIVATION,
+    act_p0: float = 0.0,
+    act_p1: float = 0.0,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Training batch norm over the batches of ``world`` processes: ``(y, mean, invstd, count)``,
-    the last three per channel in the statistics dtype (fp32; fp64 for fp64 input), ``count``
-    the global number of values per channel.
+    """Training batch norm over the batches of ``world`` processes, then ``residual`` added and
+    the activation ``act`` (with its parameters) applied where given: ``(y, mean, invstd,
+    count)``, the last three per channel in the statistics dtype (fp32; fp64 for fp64 input),
+    ``count`` the global number of values per channel.
 
     ``all_gather(out, local)`` must fill the (world * 3, C) ``out`` with every rank's (3, C)
     ``local`` in rank order (``torch.distributed.all_gather_into_tensor``). The running
-    statistics, if given, are updated in place. The caller validates ``input`` (no checks here:
-    this is the per-layer, per-step path)."""
+    statistics, if given, are updated in place. The caller validates ``input`` and ``residual``
+    (input's shape and dtype; no checks here: this is the per-layer, per-step path)."""
     y = torch.empty_like(input)
     x, y = dense_ncs(input, y)
+    residual = None if residual is None else in_layout(residual, y)
     channels = x.shape[1]
     rows = x.numel() // channels if channels else 0
     stats = _stats_dtype(x)
@@ -165,7 +174,7 @@ def sync_batch_norm_forward(
     if rows:
         _finalize_apply(
             x, part, centre, weight, bias, None, None, y, mean, invstd, 1, True, momentum, eps,
-            NO_ACTIVATION, 0.0, 0.0,
+            act, act_p0, act_p1, residual,
         )  # fmt: skip
     return y, mean, invstd, count
 
@@ -179,10 +188,16 @@ def sync_batch_norm_backward(
     count: torch.Tensor,
     all_reduce: Callable[[torch.Tensor], object],
     need_input_grad: bool = True,
+    bias: torch.Tensor | None = None,
+    act: int = NO_ACTIVATION,
+    act_p0: float = 0.0,
+    act_p1: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The backward of ``sync_batch_norm_forward``: ``(dx or None, sum_dy, sum_dy_xhat)``, the
     sums this rank's own (they are its bias and weight gradients, as with torch's SyncBatchNorm;
-    data parallelism averages them). ``all_reduce(t)`` must sum ``t`` over the ranks in place."""
+    data parallelism averages them), of the gradient through the activation ``act`` where one
+    followed without a residual (``bias`` then as in the forward: the pre-activation values are
+    recomputed). ``all_reduce(t)`` must sum ``t`` over the ranks in place."""
     channels = input.shape[1]
     local = input.new_empty((2, channels), dtype=_stats_dtype(input))
     sum_dy, sum_dy_xhat = local.unbind(0)
@@ -191,8 +206,9 @@ def sync_batch_norm_backward(
         x, dx = dense_ncs(input, torch.empty_like(input))
         dy = in_layout(grad_output, x)
         w = weight if weight is not None else x  # absent tensors are passed as x and never read
-        args = (dy, x, mean, invstd, w, x, 0.0, 0.0)
-        part = _plan("backward_reduce", x, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+        b = bias if bias is not None and act != NO_ACTIVATION else None  # read for the activation only
+        args = (dy, x, mean, invstd, w, x if b is None else b, act_p0, act_p1)
+        part = _plan("backward_reduce", x, True, False, weight, b, act, lambda: args)(*args)
         sum_partials(part, sum_dy, sum_dy_xhat)
     else:
         local.zero_()
@@ -203,6 +219,6 @@ def sync_batch_norm_backward(
         return None, sum_dy, sum_dy_xhat
     if x is None:
         return torch.empty_like(input), sum_dy, sum_dy_xhat
-    args = (dy, x, mean, invstd, w, x, means[0], means[1], dx, 1.0, 0.0, 0.0)
-    _plan("backward_apply", dx, True, False, weight, None, NO_ACTIVATION, lambda: args)(*args)
+    args = (dy, x, mean, invstd, w, x if b is None else b, means[0], means[1], dx, 1.0, act_p0, act_p1)
+    _plan("backward_apply", dx, True, False, weight, b, act, lambda: args)(*args)
     return dx, sum_dy, sum_dy_xhat

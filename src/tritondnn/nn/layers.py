@@ -226,9 +226,7 @@ class _BatchNormMixin:
         args = _BatchNormMixin._batch_norm_args(self, input)  # SyncBatchNorm borrows this too
 
         def ours() -> torch.Tensor:
-            if residual is None or (
-                type(residual) in _PLAIN and residual.shape == input.shape and residual.dtype == input.dtype
-            ):
+            if fusable_residual(residual, input):
                 return ops.norm.batch_norm(*args, activation="relu", residual=residual)
             return ops.activation.relu(ops.norm.batch_norm(*args) + residual)
 
@@ -237,6 +235,14 @@ class _BatchNormMixin:
             return F.relu(y if residual is None else y + residual)
 
         return run_or_fallback(self, input, ours, theirs)
+
+
+def fusable_residual(residual: torch.Tensor | None, input: torch.Tensor) -> bool:
+    """Whether a batch norm's fused residual add takes ``residual`` (none, or a plain tensor of
+    the input's shape and dtype: torch would broadcast or promote others, added unfused)."""
+    return residual is None or (
+        type(residual) in _PLAIN and residual.shape == input.shape and residual.dtype == input.dtype
+    )
 
 
 def fusable_batch_norm(module: object) -> bool:

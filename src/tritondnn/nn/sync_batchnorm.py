@@ -14,12 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.library import PLAIN_TENSORS
-from ..ops.activation import _backward as _activation_grad
 from ..ops.activation import relu as relu_op
+from ..ops.norm.batch import _through_residual_activation
 from ..ops.norm.batch_sync import sync_batch_norm_backward, sync_batch_norm_forward
 from ..ops.norm.common import NO_ACTIVATION, activation_kind
-from .layers import RELU_FUSABLE_FORWARDS, BatchNorm1d, on_backend
+from .layers import RELU_FUSABLE_FORWARDS, BatchNorm1d, fusable_residual, on_backend
 
 _RELU = activation_kind("relu")  # (kind, negative slope, clip) as the norm kernels take them
 _NONE = (NO_ACTIVATION, 0.0, 0.0)
@@ -59,7 +58,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
         dr = None
         if with_residual:
-            dy = dr = dy if act[0] == NO_ACTIVATION else _activation_grad(dy, y, *act, True)
+            dy = dr = _through_residual_activation(dy, y, *act)
             act = _NONE
         dx, sum_dy, sum_dy_xhat = sync_batch_norm_backward(
             dy, x, weight, mean, invstd, count, all_reduce, ctx.needs_input_grad[0], bias, *act
@@ -103,11 +102,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if not on_backend(input):  # torch's (and its errors) off our device
             y = nn.SyncBatchNorm.forward(self, input)
             return torch.relu(y if residual is None else y + residual) if relu else y
-        if residual is not None and not (
-            type(residual) in PLAIN_TENSORS
-            and residual.shape == input.shape
-            and residual.dtype == input.dtype
-        ):
+        if not fusable_residual(residual, input):
             return relu_op(self._forward(input, None, False) + residual)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats and self.num_batches_tracked is not None:

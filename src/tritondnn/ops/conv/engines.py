@@ -27,7 +27,7 @@ from ...core.engine import Engine, Family, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ...core.relayout import relayout
 from .kernels import _col2im_kernel, _igemm_kernel, _sum_kernel, _wgrad_kernel
-from .problem import ConvProblem, Strides5, Triple, itemsize
+from .problem import ConvProblem, Strides5, Triple, channels_last_strides_of, itemsize
 
 
 def _describe(*args: Any, **kwargs: Any) -> ConvProblem:
@@ -336,8 +336,7 @@ def dense_channels_first(sizes: tuple[int, ...], strides: Strides5) -> bool:
 
 def channels_last_strides(c: int, size: Triple) -> Strides5:
     """(n, c, d, h, w) strides of a dense channels-last (N, C, D, H, W) tensor."""
-    d, h, w = size
-    return (d * h * w * c, 1, h * w * c, w * c, c)
+    return channels_last_strides_of((1, c, *size))  # type: ignore[return-value]
 
 
 def channels_last_stager(n: int, channels: int, size: Triple) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -79,6 +79,7 @@ def main() -> None:
         if rank == 0:
             mean_loss = loss.item() / dist.get_world_size()
             print(f"step {step}: loss {mean_loss:.4f}, {time.perf_counter() - start:.3f} s")
+    dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit (gloo)
     dist.destroy_process_group()
 
 

@@ -78,6 +78,7 @@ def _worker(rank: int, port: int, wrapper: str, out: str) -> None:
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
+        dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit
     finally:
         dist.destroy_process_group()
 

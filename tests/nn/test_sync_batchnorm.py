@@ -66,6 +66,7 @@ def _worker(
              "rm": model[0].running_mean, "rv": model[0].running_var},
             os.path.join(out_dir, f"rank{rank}.pt"),
         )  # fmt: skip
+        dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit
     finally:
         dist.destroy_process_group()
 

@@ -451,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             with open(args.losses, "w") as f:
                 json.dump(payload, f, indent=1)
+        dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit (gloo)
         return 0 if all(c.ok for c in checks) else 1
     finally:
         dist.destroy_process_group()

@@ -327,3 +327,62 @@ def test_training_step_captures_in_a_cuda_graph():
     torch.testing.assert_close(static_loss, expected_loss)
     for a, p in zip(replayed, model.parameters()):
         torch.testing.assert_close(a, p.grad)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+}
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(randn(6, 8), torch.randint(0, 4, (6,), device=DEVICE)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_restored_training_state_trains_as_a_fresh_one(optimizer):
+    """Steps taken after ``training_state_restorer``'s restore give the same bits as the same
+    steps of a fresh copy: weights, batch norm's running statistics and the optimizer's state
+    (momentum, moments, step count) all start over. Two steps, so the second uses the state the
+    first left."""
+    from tritondnn.bench.models import training_state_restorer, training_step
+
+    torch.manual_seed(0)
+    model = _bn_net()
+    fresh = copy.deepcopy(model)
+    opt, fresh_opt = OPTIMIZERS[optimizer](model), OPTIMIZERS[optimizer](fresh)
+    restore = training_state_restorer(model, opt)
+    step = training_step(model, opt, low_precision=False)
+    for x, target in _batches(3):  # moves the weights, statistics and optimizer state
+        step(x, target)
+    restore()
+    fresh_step = training_step(fresh, fresh_opt, low_precision=False)
+    for x, target in _batches(2):
+        assert torch.equal(step(x, target), fresh_step(x, target))
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu_only("CUDA graphs")
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_graphed_training_step_replays_eager_training(optimizer):
+    """A patched model's whole training step (forward, backward, optimizer) captured by
+    ``graphed_training_step`` and replayed on new batches trains as the eager step does from
+    the same weights."""
+    from tritondnn.bench.models import graphed_training_step, training_step
+
+    torch.manual_seed(0)
+    model = _bn_net()
+    tnn.patch(model)
+    eager = copy.deepcopy(model)
+    first, *rest = _batches(4)
+    step = graphed_training_step(model, OPTIMIZERS[optimizer](model), False, *first)
+    eager_step = training_step(eager, OPTIMIZERS[optimizer](eager), low_precision=False)
+    for x, target in rest:
+        torch.testing.assert_close(step(x, target), eager_step(x, target))
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b)

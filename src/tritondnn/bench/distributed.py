@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
-from . import Case, Row, Table, run_cases, write_json
-from .models import GPT, ResNet, training_step
+from . import Case, Row, Table, graphed, run_cases, write_json
+from .models import GPT, ResNet, graphed_training_step, training_step
 
 SUITE = "distributed"
 WRAPPERS = ("ddp", "fsdp2")
@@ -135,13 +135,34 @@ def sync_batch_norm_cases(tiny: bool) -> list[Case]:
         # torch's SyncBatchNorm refuses CPU tensors: no anchor under the interpreter.
         return {"tritondnn": make(ours)} if INTERPRET else {"tritondnn": make(ours), "torch": make(theirs)}
 
+    def captured(name: str, calls: dict[str, Callable[[], object]], size: int) -> Case:
+        # Replays of a CUDA graph (the collectives in it): the device's time alone, without the
+        # host's launches. Captured when the case is selected, not for cases --match leaves out.
+        case = Case(f"{name}, CUDA graph", {}, bytes=size)
+
+        def capture() -> str:
+            for provider, fn in calls.items():
+                replay = graphed(fn)
+                if replay is not None:
+                    case.providers[provider] = replay
+            return ""
+
+        case.prepare = capture
+        return case
+
     name = f"sync_batch_norm {n}x{c}x{hw}x{hw} per rank {dtype_name} NHWC"
     size = x.numel() * x.element_size()
-    return [
+    cases = [
         Case(f"{name} fwd", both(forward), bytes=2 * size),
         # x and dy read, dx written by the backward; x read and y written by the forward.
         Case(f"{name} fwd+bwd", both(forward_backward), bytes=5 * size),
     ]
+    if not INTERPRET:
+        cases += [
+            captured(f"{name} fwd", both(forward), 2 * size),
+            captured(f"{name} fwd+bwd", both(forward_backward), 5 * size),
+        ]
+    return cases
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,10 +218,12 @@ def workloads(tiny: bool) -> list[Workload]:
     ]
 
 
-def _prepare(w: Workload, provider: str, wrapper: str | None) -> nn.Module:
+def _prepare(w: Workload, provider: str, wrapper: str | None, graph: bool = False) -> nn.Module:
     """The workload's model (the same initial weights everywhere) on this rank's device, patched
     for ``tritondnn``. ``wrapper``: None (one process), ``"ddp"`` or ``"fsdp2"`` (BatchNorm
-    synced, the model wrapped), or ``"unsynced"`` (the control: each rank trains alone)."""
+    synced, the model wrapped), or ``"unsynced"`` (the control: each rank trains alone).
+    ``graph``: the model's steps will be captured in a CUDA graph (DDP is then built on a side
+    stream, as PyTorch's notes on capturing DDP ask)."""
     from ..nn import SyncBatchNorm, patch
 
     torch.manual_seed(0)
@@ -216,7 +239,9 @@ def _prepare(w: Workload, provider: str, wrapper: str | None) -> nn.Module:
         ids = None if INTERPRET else [torch.cuda.current_device()]
         # Gradients as views of the all-reduce buckets: no copy per parameter after the last
         # all-reduce (host time and a kernel each, between the backward pass and the optimizer).
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        side = torch.cuda.Stream() if graph else None
+        with torch.cuda.stream(side):  # None: the current stream
+            return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     if wrapper == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -229,16 +254,17 @@ def _prepare(w: Workload, provider: str, wrapper: str | None) -> nn.Module:
 
 
 def train(
-    w: Workload, provider: str, wrapper: str | None, steps: int, warmup: int
+    w: Workload, provider: str, wrapper: str | None, steps: int, warmup: int, graph: bool = False
 ) -> tuple[list[float], float]:
     """Train ``steps`` steps; (the global batch's loss each step, the median step time in ms over
     the steps after ``warmup``). ``wrapper`` None: one process trains on the whole batch (rank 1
-    and up on the same rows reversed); else each rank trains on its rows of it."""
-    model = _prepare(w, provider, wrapper)
-    step = training_step(model, w.make_optimizer(model), low_precision=not INTERPRET)
+    and up on the same rows reversed); else each rank trains on its rows of it. ``graph``: each
+    step is a CUDA graph's replay (captured after eager steps on the first batch, from which
+    the model and optimizer are then reset: see ``graphed_training_step``)."""
+    model = _prepare(w, provider, wrapper, graph)
     rank, world = dist.get_rank(), dist.get_world_size()
-    losses, times = [], []
-    for i in range(steps):
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, target = w.make_batch(w.per_rank * world, torch.Generator(DEVICE_TYPE).manual_seed(100 + i))
         if wrapper is not None:
             rows = slice(rank * w.per_rank, (rank + 1) * w.per_rank)
@@ -247,6 +273,16 @@ def train(
             x, target = x.flip(0), target.flip(0)
         if w.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
+        return x, target
+
+    opt, low_precision = w.make_optimizer(model), not INTERPRET
+    if graph:
+        step = graphed_training_step(model, opt, low_precision, *batch(0))
+    else:
+        step = training_step(model, opt, low_precision)
+    losses, times = [], []
+    for i in range(steps):
+        x, target = batch(i)
         _sync()
         if wrapper is not None:
             dist.barrier()  # a step starts together on every rank
@@ -326,44 +362,77 @@ class LossCheck:
 
 
 def model_cases(
-    workload_list: Sequence[Workload], providers: Sequence[str], steps: int, warmup: int, table: Table
+    workload_list: Sequence[Workload],
+    providers: Sequence[str],
+    steps: int,
+    warmup: int,
+    table: Table,
+    graphs: bool = False,
 ) -> tuple[list[Row], list[LossCheck]]:
     """Per workload: the one-GPU runs (and their reversed-rows controls on the other ranks), the
-    unsynchronized control, then DDP and FSDP2 runs; rows for the table and the loss checks."""
+    unsynchronized control, then DDP and FSDP2 runs; with ``graphs``, then the one-GPU and DDP
+    runs again with each step captured in a CUDA graph. Rows for the table and the loss checks:
+    every split run's, and every captured run's, against the eager one-GPU run's losses."""
     rows: list[Row] = []
     checks: list[LossCheck] = []
-    world = dist.get_world_size()
     for w in workload_list:
-        batch = w.per_rank * world
-        one_gpu_case = Case(f"{w.name} B{batch} 1 GPU train step", {})
-        one: dict[str, list[list[float]]] = {}
+        _workload_cases(w, providers, steps, warmup, table, graphs, rows, checks)
+    return rows, checks
+
+
+def _workload_cases(
+    w: Workload,
+    providers: Sequence[str],
+    steps: int,
+    warmup: int,
+    table: Table,
+    graphs: bool,
+    rows: list[Row],
+    checks: list[LossCheck],
+) -> None:
+    world = dist.get_world_size()
+    batch = w.per_rank * world
+    one: dict[str, list[list[float]]] = {}  # provider: each rank's losses of the one-GPU run
+    unsynced: dict[str, list[float]] = {}
+    single_ms: dict[tuple[str, bool], float] = {}  # (provider, graph): the one-GPU step
+
+    def measure(wrapper: str | None, graph: bool) -> None:
+        where = "1 GPU" if wrapper is None else f"{wrapper} {world} GPUs"
+        case = Case(f"{w.name} B{batch} {where} train step{', CUDA graph' if graph else ''}", {})
         measured = []
         for provider in providers:
-            losses, ms = train(w, provider, None, steps, warmup)
-            one[provider] = [[] for _ in range(world)]
-            dist.all_gather_object(one[provider], losses)
-            rank0_ms = torch.tensor([ms], dtype=torch.float64, device=DEVICE_TYPE)
-            dist.broadcast(rank0_ms, 0)
-            measured.append(Row(SUITE, one_gpu_case.name, provider, float(rank0_ms.item()), None, None))
-        table.add(one_gpu_case, measured)
-        rows += measured
-        unsynced = {p: train(w, p, "unsynced", steps, warmup)[0] for p in providers}
-        for wrapper in WRAPPERS:
-            case = Case(f"{w.name} B{batch} {wrapper} {world} GPUs train step", {})
-            measured = []
-            for provider in providers:
-                losses, ms = train(w, provider, wrapper, steps, warmup)
-                measured.append(Row(SUITE, case.name, provider, _slowest(ms), None, None))
+            losses, ms = train(w, provider, wrapper, steps, warmup, graph)
+            if wrapper is None:  # rank 0's time: the other ranks train on reversed rows
+                each_rank: list[list[float]] = [[] for _ in range(world)]
+                dist.all_gather_object(each_rank, losses)
+                losses = each_rank[0]
+                if not graph:
+                    one[provider] = each_rank
+                rank0_ms = torch.tensor([ms], dtype=torch.float64, device=DEVICE_TYPE)
+                dist.broadcast(rank0_ms, 0)
+                ms = single_ms[provider, graph] = float(rank0_ms.item())
+            else:
+                ms = _slowest(ms)
+            measured.append(Row(SUITE, case.name, provider, ms, None, None))
+            if wrapper is not None or graph:
                 checks.append(
                     LossCheck(f"{case.name} {provider}", losses, *one[provider][:2], unsynced[provider])
                 )
-            table.add(case, measured)
-            rows += measured
-            for provider in providers:
-                single = next(r.ms for r in rows if r.case == one_gpu_case.name and r.provider == provider)
-                split = next(r.ms for r in measured if r.provider == provider)
-                table.echo(f"  {provider}: {world} GPUs {single / split:.2f}x the throughput of one")
-    return rows, checks
+        table.add(case, measured)
+        rows.extend(measured)
+        if wrapper is not None:
+            for row in measured:
+                ratio = single_ms[row.provider, graph] / row.ms
+                table.echo(f"  {row.provider}: {world} GPUs {ratio:.2f}x the throughput of one")
+
+    measure(None, False)
+    unsynced.update({p: train(w, p, "unsynced", steps, warmup)[0] for p in providers})
+    for wrapper in WRAPPERS:
+        measure(wrapper, False)
+    if graphs:
+        # FSDP2's hooks wait on events and reshard between steps: not captured here.
+        measure(None, True)
+        measure("ddp", True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +474,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="steps not timed")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch's runs of the models")
+    parser.add_argument(
+        "--no-graph", action="store_true", help="skip the runs captured in CUDA graphs (GPU only)"
+    )
     args = parser.parse_args(argv)
 
     if INTERPRET:
@@ -426,7 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_cases(SUITE, cases, table, rows, timer=lambda case, fn: lockstep_ms(fn, reps))
         providers = ("tritondnn",) if args.no_torch else ("tritondnn", "torch")
         chosen = [w for w in workloads(args.tiny) if match in w.name.lower()]
-        model_rows, checks = model_cases(chosen, providers, args.steps, args.warmup, table)
+        graphs = not (INTERPRET or args.no_graph)
+        model_rows, checks = model_cases(chosen, providers, args.steps, args.warmup, table, graphs)
         rows += model_rows
         for check in checks:
             table.echo(

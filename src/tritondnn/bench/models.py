@@ -191,6 +191,75 @@ def training_step(
     return step
 
 
+def training_state_restorer(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """A function that puts ``model``'s parameters and buffers back as they are now, in place,
+    and zeroes every tensor of ``opt``'s state (momentum, moments, step counts). Taken before an
+    optimizer's first step, it makes the next step start from the same state as that first one:
+    SGD's momentum buffer and Adam's moments begin at zero (SGD's first step copies the gradient,
+    which is what a zero buffer times the momentum plus the gradient gives), Adam's step count
+    at zero."""
+    saved = {name: t.detach().clone() for name, t in model.state_dict(keep_vars=True).items()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for name, t in model.state_dict(keep_vars=True).items():
+                t.copy_(saved[name])
+            for state in opt.state.values():
+                for value in state.values():
+                    if torch.is_tensor(value):
+                        value.zero_()
+
+    return restore
+
+
+# Eager steps before a capture: compile and tune every kernel, and let DistributedDataParallel
+# rebuild its buckets after its first iteration and time its first ten (with host syncs, which
+# a capture refuses); PyTorch's notes on CUDA graphs ask for 11 with DDP.
+GRAPH_WARMUP_STEPS = 11
+
+
+def graphed_training_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    low_precision: bool,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    warmup: int = GRAPH_WARMUP_STEPS,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``training_step``'s step captured whole in a CUDA graph (forward, backward with any
+    collectives, optimizer step), as ``step(x, target)``: copies the batch into the graph's
+    inputs (shaped like ``x`` and ``target``) and replays it; returns the loss.
+
+    The eager warm-up steps and the capture train on ``x``; afterwards the model and the
+    optimizer are put back as they were (``training_state_restorer``), so the replayed steps
+    train from the same weights as ``training_step``'s first step would. The optimizer is made
+    capturable (its step count on the device)."""
+    for group in opt.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+    restore = training_state_restorer(model, opt)
+    step = training_step(model, opt, low_precision)
+    static_x, static_target = x.clone(), target.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(static_x, static_target)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(static_x, static_target)
+    restore()
+
+    def replay(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(x)
+        static_target.copy_(target)
+        graph.replay()
+        return static_loss.clone()
+
+    return replay
+
+
 def _pair(w: Workload) -> tuple[nn.Module, nn.Module]:
     """(patched, plain): the same initial weights."""
     from ..nn import patch

@@ -336,7 +336,10 @@ OPTIMIZERS = {
 
 
 def _bn_net() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+    # No bias before the batch norm: its gradient would be rounding noise alone, which Adam
+    # scales up to full steps of either sign (runs would then differ by lr however close).
+    layers = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)
+    return nn.Sequential(*layers).to(DEVICE)
 
 
 def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -25,6 +25,10 @@ Cases:
   tolerance is ``LossCheck.bound``: the larger of a fixed floor and a multiple of the reversed
   rows' difference, since a model whose training amplifies rounding (ResNet-50 in bf16) moves
   its losses by percents under a mere change of summation order.
+* The same training runs (one GPU, DDP, FSDP2) with each whole step captured in a CUDA graph
+  (``bench.models.graphed_training_step``): the step's device time, without the host's launches
+  and hooks, which bound these models' eager steps on the hosts measured; and the SyncBatchNorm
+  cases captured the same way. ``--no-graph`` skips them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -370,8 +375,8 @@ def model_cases(
     graphs: bool = False,
 ) -> tuple[list[Row], list[LossCheck]]:
     """Per workload: the one-GPU runs (and their reversed-rows controls on the other ranks), the
-    unsynchronized control, then DDP and FSDP2 runs; with ``graphs``, then the one-GPU and DDP
-    runs again with each step captured in a CUDA graph. Rows for the table and the loss checks:
+    unsynchronized control, then DDP and FSDP2 runs; with ``graphs``, then the one-GPU, DDP and
+    FSDP2 runs again with each step captured in a CUDA graph. Rows for the table and the loss checks:
     every split run's, and every captured run's, against the eager one-GPU run's losses."""
     rows: list[Row] = []
     checks: list[LossCheck] = []
@@ -390,6 +395,7 @@ def _workload_cases(
     rows: list[Row],
     checks: list[LossCheck],
 ) -> None:
+    """``model_cases`` for one workload, appending to ``rows`` and ``checks``."""
     world = dist.get_world_size()
     batch = w.per_rank * world
     one: dict[str, list[list[float]]] = {}  # provider: each rank's losses of the one-GPU run
@@ -430,9 +436,9 @@ def _workload_cases(
     for wrapper in WRAPPERS:
         measure(wrapper, False)
     if graphs:
-        # FSDP2's hooks wait on events and reshard between steps: not captured here.
         measure(None, True)
-        measure("ddp", True)
+        for wrapper in WRAPPERS:
+            measure(wrapper, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,6 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [c for c in sync_batch_norm_cases(args.tiny) if match in c.name.lower()]
         reps = 5 if INTERPRET else 50
         run_cases(SUITE, cases, table, rows, timer=lambda case, fn: lockstep_ms(fn, reps))
+        # The captured cases' CUDA graphs hold collectives: gone before the process group is
+        # torn down (a run that kept them alive to the end never exited).
+        cases.clear()
+        gc.collect()
         providers = ("tritondnn",) if args.no_torch else ("tritondnn", "torch")
         chosen = [w for w in workloads(args.tiny) if match in w.name.lower()]
         graphs = not (INTERPRET or args.no_graph)

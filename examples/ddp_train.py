@@ -4,12 +4,18 @@ Launch one process per GPU (NCCL), or two CPU processes (gloo, tiny model, Trito
 
     torchrun --nproc_per_node=2 examples/ddp_train.py            # GPUs: ResNet-50, N=64 per GPU
     torchrun --nproc_per_node=2 examples/ddp_train.py --fsdp2    # the same, sharded with FSDP2
+    torchrun --nproc_per_node=2 examples/ddp_train.py --cuda-graph  # each step one graph replay
     torchrun --nproc_per_node=2 examples/ddp_train.py --tiny     # CPU or a quick GPU check
 
 On GPUs the model's BatchNorm layers become ``tdnn.nn.SyncBatchNorm`` (statistics over the global
 batch); every other supported layer is patched to tritondnn's, and DistributedDataParallel averages the
 gradients (or, with ``--fsdp2``, ``fully_shard`` shards parameters, gradients and optimizer state
 over the ranks, one unit per stage of blocks). Rank 0 prints the loss and the step time.
+
+``--cuda-graph`` captures the whole step (forward, backward with its collectives, optimizer) in a
+CUDA graph after eager warm-up steps and replays it: no host work per step but copying the batch
+in. A ResNet-50 step is host-bound on the hosts measured, so this is what lets two GPUs go
+faster than one (bench/results/README.md, "whole steps in CUDA graphs").
 """
 
 from __future__ import annotations
@@ -20,11 +26,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import tritondnn as tdnn
-from tritondnn.bench.models import ResNet
+from tritondnn.bench.models import ResNet, graphed_training_step, training_step
 
 
 def main() -> None:
@@ -32,9 +37,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small ResNet on 16x16 images")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fsdp2", action="store_true", help="shard with fully_shard instead of DDP")
+    parser.add_argument("--cuda-graph", action="store_true", help="replay each step as a CUDA graph (GPUs)")
     args = parser.parse_args()
 
     on_gpu = tdnn.backend() == "gpu"
+    if args.cuda_graph and not on_gpu:
+        parser.error("--cuda-graph needs GPUs")
     dist.init_process_group("nccl" if on_gpu else "gloo")
     rank = dist.get_rank()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if on_gpu else "cpu")
@@ -60,25 +68,31 @@ def main() -> None:
             fully_shard(blocks[i : i + size])
         wrapped = fully_shard(model)
     else:
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+        # A DDP step to be captured needs DDP built off the default stream (PyTorch's notes).
+        with torch.cuda.stream(torch.cuda.Stream() if args.cuda_graph else None):
+            wrapped = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
 
     batch, size = (4, 16) if args.tiny else (64, 224)
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own shard of the data
-    for step in range(args.steps):
+
+    def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(batch, 3, size, size, generator=gen).to(device, memory_format=torch.channels_last)
-        target = torch.randint(0, 10 if args.tiny else 1000, (batch,), generator=gen).to(device)
+        return x, torch.randint(0, 10 if args.tiny else 1000, (batch,), generator=gen).to(device)
+
+    # Forward under bf16 autocast on GPUs, the loss in fp32, backward, the optimizer's step.
+    if args.cuda_graph:  # eager steps on a first batch, the capture, the weights put back
+        step = graphed_training_step(wrapped, opt, on_gpu, *make_batch())
+    else:
+        step = training_step(wrapped, opt, on_gpu)
+    for i in range(args.steps):
+        x, target = make_batch()
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            loss = F.cross_entropy(wrapped(x).float(), target)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        loss = loss.detach()
+        loss = step(x, target)
         dist.all_reduce(loss)
         if rank == 0:
             mean_loss = loss.item() / dist.get_world_size()
-            print(f"step {step}: loss {mean_loss:.4f}, {time.perf_counter() - start:.3f} s")
+            print(f"step {i}: loss {mean_loss:.4f}, {time.perf_counter() - start:.3f} s")
     dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit (gloo)
     dist.destroy_process_group()
 

@@ -82,11 +82,12 @@ def main() -> None:
         x = torch.randn(batch, 3, size, size, generator=gen).to(device, memory_format=torch.channels_last)
         return x, torch.randint(0, 10 if args.tiny else 1000, (batch,), generator=gen).to(device)
 
-    # Forward under bf16 autocast on GPUs, the loss in fp32, backward, the optimizer's step.
+    # Forward under bf16 autocast on GPUs, the loss in fp32 (tdnn.cross_entropy), backward, the
+    # optimizer's step.
     if args.cuda_graph:  # eager steps on a first batch, the capture, the weights put back
-        step = graphed_training_step(wrapped, opt, on_gpu, *make_batch())
+        step = graphed_training_step(wrapped, opt, on_gpu, *make_batch(), tdnn_loss=True)
     else:
-        step = training_step(wrapped, opt, on_gpu)
+        step = training_step(wrapped, opt, on_gpu, tdnn_loss=True)
     for i in range(args.steps):
         x, target = make_batch()
         start = time.perf_counter()

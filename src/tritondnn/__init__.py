@@ -34,6 +34,7 @@ from .ops.conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from .ops.cross_entropy import cross_entropy
 from .ops.ctc import ctc_loss
 from .ops.dropout import dropout, dropout_add
 from .ops.epilogue import Epilogue
@@ -115,6 +116,7 @@ __all__ = [
     "conv_transpose1d",
     "conv_transpose2d",
     "conv_transpose3d",
+    "cross_entropy",
     "ctc_loss",
     "dequantize_fp8",
     "dropout",

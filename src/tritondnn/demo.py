@@ -23,7 +23,7 @@ from .core.backend import DEVICE_TYPE, INTERPRET, backend, device_name
 from .core.timing import median_ms
 from .ops import activation as act
 from .ops import attention as att
-from .ops import conv, ctc, norm, pool, rnn, spatial
+from .ops import conv, cross_entropy, ctc, norm, pool, rnn, spatial
 from .ops import dropout as dr
 from .ops import matmul as mm
 from .ops import reduce as rd
@@ -83,6 +83,11 @@ def _ctc_args(x: torch.Tensor) -> tuple:
     """(log-probabilities (T=64, N=1, 257 classes) from x in fp32, targets, input and target lengths)."""
     log_probs = x[:64, :257].float().reshape(64, 1, 257).log_softmax(-1)
     return log_probs, torch.arange(1, 11, device=x.device).view(1, 10), [64], [10]
+
+
+def _classes(x: torch.Tensor) -> torch.Tensor:
+    """A class index for each row of x (its columns are the classes)."""
+    return torch.arange(x.shape[0], device=x.device) * 7 % x.shape[1]
 
 
 # name: (tritondnn, PyTorch); both are applied to the same input and differentiated.
@@ -170,6 +175,10 @@ PRIMITIVES: dict[str, tuple[Callable, Callable]] = {
         lambda x: F.grid_sample(x[None, None], _grid(x), align_corners=False),
     ),
     "ctc_loss": (lambda x: ctc.ctc_loss(*_ctc_args(x)), lambda x: F.ctc_loss(*_ctc_args(x))),
+    "cross_entropy": (
+        lambda x: cross_entropy.cross_entropy(x, _classes(x), reduction="none"),
+        lambda x: F.cross_entropy(x, _classes(x), reduction="none"),
+    ),
     "batch_norm train": (
         partial(norm.batch_norm, running_mean=None, running_var=None, training=True),
         partial(F.batch_norm, running_mean=None, running_var=None, training=True),

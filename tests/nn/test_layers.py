@@ -133,9 +133,42 @@ def test_layer_matches_torch(name):
     _check(module, randn(*shape), name, train="eval" not in name)
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"reduction": "none", "ignore_index": 1}, {"label_smoothing": 0.1, "weight": True}]
+)
+def test_cross_entropy_loss_matches_torch(kwargs):
+    """CrossEntropyLoss (two inputs, a weight buffer): loss and logits' gradient against torch's
+    and a float64 copy; the same state_dict and repr."""
+    torch.manual_seed(0)
+    weight = torch.rand(7) + 0.5 if kwargs.pop("weight", False) else None
+    module = nn.CrossEntropyLoss(weight, **kwargs).to(DEVICE)
+    ours = _as_ours(module)
+    assert repr(ours) == repr(module) and list(ours.state_dict()) == list(module.state_dict())
+    x, target = randn(9, 7, 2, scale=2.0), torch.randint(0, 7, (9, 2), device=DEVICE)
+    results = []
+    for loss_fn, logits in ((ours, x), (module, x), (copy.deepcopy(module).double(), x.double())):
+        leaf = logits.detach().requires_grad_(True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="tritondnn falls back")
+            out = loss_fn(leaf, target)
+        (grad,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+        results.append((out.detach(), grad))
+    (got, dgot), (same, dsame), (ref, dref) = results
+    assert_close(got, ref, same, "CrossEntropyLoss loss")
+    assert_close(dgot, dref, dsame, "CrossEntropyLoss gradient")
+
+
 def test_every_supported_class_is_tested():
     tested = {type(make()).__name__ for make, _ in CASES.values()}
-    covered = tested | {"MultiheadAttention", "Dropout", "SyncBatchNorm", "LSTM", "GRU", "RNN"}
+    covered = tested | {
+        "MultiheadAttention",
+        "Dropout",
+        "SyncBatchNorm",
+        "LSTM",
+        "GRU",
+        "RNN",
+        "CrossEntropyLoss",
+    }
     missing = {cls.__name__ for cls in tnn.SUPPORTED} - covered
     assert not missing, f"tdnn.nn classes without a test: {sorted(missing)}"
 

@@ -283,11 +283,11 @@ def train(
             x = x.contiguous(memory_format=torch.channels_last)
         return x, target
 
-    opt, low_precision = w.make_optimizer(model), not INTERPRET
+    opt, low_precision, ours = w.make_optimizer(model), not INTERPRET, provider == "tritondnn"
     if graph:
-        step = graphed_training_step(model, opt, low_precision, *batch(0))
+        step = graphed_training_step(model, opt, low_precision, *batch(0), tdnn_loss=ours)
     else:
-        step = training_step(model, opt, low_precision)
+        step = training_step(model, opt, low_precision, tdnn_loss=ours)
     losses, times = [], []
     for i in range(steps):
         x, target = batch(i)

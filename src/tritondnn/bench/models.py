@@ -6,6 +6,8 @@ GPT-2-style decoder (its attention calls ``F.scaled_dot_product_attention``, rou
 trains two copies from the same seed on the same random batches, one patched, and returns both
 loss curves and step times; the ``models`` bench suite times one training step per provider:
 tritondnn-patched, PyTorch eager, torch.compile of the unpatched model and of the patched one.
+The patched runs compute their loss with ``tdnn.cross_entropy`` (the user's side of the library:
+a loss outside the model is not something ``patch`` reaches); the plain ones with PyTorch's.
 """
 
 from __future__ import annotations
@@ -174,15 +176,19 @@ def workloads(tiny: bool) -> list[Workload]:
 
 
 def training_step(
-    model: nn.Module, opt: torch.optim.Optimizer, low_precision: bool
+    model: nn.Module, opt: torch.optim.Optimizer, low_precision: bool, tdnn_loss: bool = False
 ) -> Callable[..., torch.Tensor]:
     """``step(x, target)``: forward (bf16 autocast if ``low_precision``), cross entropy in fp32,
-    backward and an optimizer step; returns the loss, detached."""
+    backward and an optimizer step; returns the loss, detached. The loss is PyTorch's on the
+    logits widened to fp32, or with ``tdnn_loss`` ``tdnn.cross_entropy`` on the logits as they
+    are (fp32 arithmetic from bf16, one pass each way: what a tritondnn user writes)."""
+    from ..ops.cross_entropy import cross_entropy
 
     def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16, enabled=low_precision):
             logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+            logits, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+            loss = cross_entropy(logits, target) if tdnn_loss else F.cross_entropy(logits.float(), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -225,6 +231,7 @@ def graphed_training_step(
     x: torch.Tensor,
     target: torch.Tensor,
     warmup: int = GRAPH_WARMUP_STEPS,
+    tdnn_loss: bool = False,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``training_step``'s step captured whole in a CUDA graph (forward, backward with any
     collectives, optimizer step), as ``step(x, target)``: copies the batch into the graph's
@@ -233,12 +240,12 @@ def graphed_training_step(
     The eager warm-up steps and the capture train on ``x``; afterwards the model and the
     optimizer are put back as they were (``training_state_restorer``), so the replayed steps
     train from the same weights as ``training_step``'s first step would. The optimizer is made
-    capturable (its step count on the device)."""
+    capturable (its step count on the device). ``tdnn_loss``: as ``training_step``'s."""
     for group in opt.param_groups:
         if "capturable" in group:
             group["capturable"] = True
     restore = training_state_restorer(model, opt)
-    step = training_step(model, opt, low_precision)
+    step = training_step(model, opt, low_precision, tdnn_loss)
     static_x, static_target = x.clone(), target.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -317,7 +324,7 @@ def compare(w: Workload, steps: int, low_precision: bool) -> dict[str, list[floa
             p.mul_(1 + PERTURBATION * noise)
     out: dict[str, list[float]] = {}
     for name, model in (("tritondnn", ours), ("torch", plain), ("torch perturbed", perturbed)):
-        step = training_step(model, w.make_optimizer(model), low_precision)
+        step = training_step(model, w.make_optimizer(model), low_precision, tdnn_loss=name == "tritondnn")
         gen = torch.Generator().manual_seed(1)
         losses, times = [], []
         for _ in range(steps):
@@ -354,14 +361,15 @@ def cases(quick: bool = False) -> Iterator[Case]:
         if w.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         low = not INTERPRET
-        step_ours = training_step(ours, w.make_optimizer(ours), low)
+        step_ours = training_step(ours, w.make_optimizer(ours), low, tdnn_loss=True)
         step_plain = training_step(plain, w.make_optimizer(plain), low)
         compile_plain = compile_ours = None
         if not quick:
             twin = copy.deepcopy(plain)
             compile_plain = compiled(training_step(twin, w.make_optimizer(twin), low), x, target)
             ours_twin = copy.deepcopy(ours)
-            compile_ours = compiled(training_step(ours_twin, w.make_optimizer(ours_twin), low), x, target)
+            step_twin = training_step(ours_twin, w.make_optimizer(ours_twin), low, tdnn_loss=True)
+            compile_ours = compiled(step_twin, x, target)
         yield Case(
             f"{w.name} train step",
             {

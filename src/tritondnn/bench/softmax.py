@@ -1,4 +1,5 @@
-"""Softmax benchmarks: softmax and log_softmax forward and backward, rows of many lengths and layouts."""
+"""Softmax benchmarks: softmax and log_softmax forward and backward, rows of many lengths and layouts;
+cross entropy over a language model's vocabulary."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import partial
 import torch
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
+from ..ops import cross_entropy as ce
 from ..ops import softmax as sm
 from . import Case, compiled, providers
 
@@ -51,7 +53,45 @@ def cases(quick: bool) -> Iterator[Case]:
             yield from _pair(f"{name} {rows}x{cols} {_dt(dtype)}", x, -1, log)
         if dtype == torch.bfloat16 and not quick and not INTERPRET:
             yield from _shapes_and_layouts()
+    yield from _cross_entropy()
     yield from _host_overhead()
+
+
+def _cross_entropy() -> Iterator[Case]:
+    """A language model's loss: bf16 logits over GPT-2's vocabulary for 8192 tokens. PyTorch's
+    anchor is what a bf16 training step runs (the logits widened to fp32, then cross entropy,
+    as autocast does), and torch.compile of it; ours reads the bf16 logits as they are."""
+    rows, classes = (16, 300) if INTERPRET else (8192, 50257)
+    x = torch.randn(rows, classes, device=DEVICE_TYPE, dtype=torch.bfloat16)
+    target = torch.randint(0, classes, (rows,), device=DEVICE_TYPE)
+    ours = partial(ce.cross_entropy, target=target)
+
+    def theirs(logits: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), target)
+
+    label = f"cross_entropy {rows}x{classes} bf16"
+    yield Case(
+        f"{label} fwd",
+        providers(tritondnn=partial(ours, x), torch=partial(theirs, x), torch_compile=compiled(theirs, x)),
+        bytes=x.nbytes,
+    )
+    xg = x.detach().clone().requires_grad_(True)
+    compiled_theirs = compiled(theirs)
+
+    def forward_backward(fn) -> torch.Tensor:
+        return torch.autograd.grad(fn(xg), xg)[0]
+
+    yield Case(
+        f"{label} fwd+bwd",
+        providers(
+            tritondnn=partial(forward_backward, ours),
+            torch=partial(forward_backward, theirs),
+            # The compiled forward, its backward compiled by AOTAutograd on the first call.
+            torch_compile=compiled_theirs and partial(forward_backward, compiled_theirs),
+        ),
+        # The logits read forward, read again and their gradient written backward.
+        bytes=3 * x.nbytes,
+    )
 
 
 def _shapes_and_layouts() -> Iterator[Case]:

@@ -582,6 +582,26 @@ class LogSoftmax(nn.LogSoftmax):
         )
 
 
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` through ``tdnn.cross_entropy`` (one pass over the logits
+    forward, one backward; no log-probability tensor)."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return run_or_fallback(
+            self,
+            input,
+            lambda: ops.cross_entropy.cross_entropy(
+                input,
+                target,
+                self.weight,
+                ignore_index=self.ignore_index,
+                reduction=self.reduction,
+                label_smoothing=self.label_smoothing,
+            ),
+            lambda: nn.CrossEntropyLoss.forward(self, input, target),
+        )
+
+
 class Dropout(nn.Dropout):
     """``torch.nn.Dropout`` through ``tdnn.dropout`` (its Philox seed drawn from torch's default
     generator, so ``torch.manual_seed`` reproduces a run, though not torch's own mask)."""

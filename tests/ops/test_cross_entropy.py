@@ -1,0 +1,208 @@
+"""Cross entropy: every input rank and layout, weights, ignore_index, label smoothing, reductions,
+probability targets, long rows, extremes, autograd, the torch.library ops, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tritondnn as tdnn
+from helpers import DEVICE, DTYPES, LAYOUTS, ON_GPU, assert_close, grads, randn
+from tritondnn.ops import cross_entropy as ce
+
+
+def _targets(shape: tuple[int, ...], classes: int, ignore_index: int = -100) -> torch.Tensor:
+    """Random class indices, the first one ``ignore_index`` (a sample that must not count)."""
+    t = torch.randint(0, classes, shape, device=DEVICE)
+    if t.ndim:
+        t.view(-1)[0] = ignore_index
+    return t
+
+
+def _check(x: torch.Tensor, target: torch.Tensor, what: str = "", **kwargs) -> None:
+    """Loss and logits' gradient against float64, within 2x PyTorch's own error in x's dtype."""
+    weight = kwargs.pop("weight", None)
+    ours = lambda t: tdnn.cross_entropy(t, target, weight, **kwargs)
+    theirs = lambda t: F.cross_entropy(
+        t, target, weight.to(t.dtype) if weight is not None else None, **kwargs
+    )
+    out = ours(x)
+    dy = torch.randn(out.shape, device=x.device, dtype=out.dtype)
+    loss, dx = grads(ours, x, dy)
+    loss_torch, dx_torch = grads(theirs, x, dy)
+    loss_ref, dx_ref = grads(
+        lambda t: ce.cross_entropy_reference(t, target, weight, **kwargs), x.double(), dy.double()
+    )
+    assert loss.dtype == x.dtype and dx.dtype == x.dtype and loss.shape == loss_ref.shape
+    assert_close(loss, loss_ref, loss_torch, f"loss {what} {kwargs}")
+    assert_close(dx, dx_ref, dx_torch, f"gradient {what} {kwargs}")
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_values_and_gradients(reduction, weighted, label_smoothing):
+    x = randn(37, 29, scale=3.0)
+    weight = torch.rand(29, device=DEVICE) + 0.25 if weighted else None
+    _check(x, _targets((37,), 29), reduction=reduction, weight=weight, label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_dtypes(dtype):
+    x = randn(19, 53, dtype=dtype, scale=4.0)
+    _check(x, _targets((19,), 53), str(dtype), reduction="none")
+    _check(x, _targets((19,), 53), str(dtype), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("shape", [(11,), (6, 11), (3, 11, 5), (2, 11, 3, 4)], ids=["C", "NC", "NCd", "NCdd"])
+def test_input_ranks(shape):
+    """(C,), (N, C) and (N, C, d...) logits with targets of the matching shape."""
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+    x = randn(*shape, scale=2.0)
+    for reduction in ("none", "mean"):
+        _check(x, _targets(target_shape, classes), str(shape), reduction=reduction, label_smoothing=0.2)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_strided_logits(layout):
+    """Logits read in place through their strides: classes along a non-unit stride, or every
+    second element of a larger buffer."""
+    x = LAYOUTS[layout](randn(23, 17, scale=3.0))
+    _check(x, _targets((23,), 17), layout, weight=torch.rand(17, device=DEVICE) + 0.5)
+    nchw = LAYOUTS[layout](randn(2, 7, 3, 5))
+    _check(nchw, _targets((2, 3, 5), 7), f"{layout} NCHW", reduction="sum")
+
+
+def test_ignore_index_may_be_a_class():
+    """A valid class chosen as ignore_index: its samples count for nothing, gradient included."""
+    x = randn(40, 6, scale=2.0)
+    target = torch.arange(40, device=DEVICE) % 6
+    _check(x, target, ignore_index=2)
+    xg = x.clone().requires_grad_(True)
+    tdnn.cross_entropy(xg, target, ignore_index=2).backward()
+    assert torch.all(xg.grad[target == 2] == 0) and torch.any(xg.grad[target != 2] != 0)
+
+
+def test_rows_longer_than_one_block():
+    """A vocabulary-sized row takes several blocks of classes (a running max and rescaled sum),
+    with the logits offset by 1e4 to catch a sum that is not rescaled."""
+    classes = 5003
+    x = randn(3, classes, scale=5.0) + 1e4
+    _check(x, _targets((3,), classes), label_smoothing=0.1)
+    _check(x, _targets((3,), classes), weight=torch.rand(classes, device=DEVICE) + 0.5, reduction="none")
+
+
+def test_extreme_logits():
+    """fp16 logits of +-1e4 and -inf entries (masked classes) as PyTorch treats them."""
+    x = randn(8, 9, dtype=torch.float16) * 1e4
+    _check(x, _targets((8,), 9), "fp16 1e4")
+    masked = randn(4, 9)
+    masked[:, 0] = -float("inf")
+    target = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    torch.testing.assert_close(tdnn.cross_entropy(masked, target), F.cross_entropy(masked, target))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_probability_targets(reduction, weighted):
+    x = randn(9, 7, 2, scale=2.0)
+    target = torch.softmax(randn(9, 7, 2), 1)
+    weight = torch.rand(7, device=DEVICE) + 0.5 if weighted else None
+    _check(x, target, weight=weight, reduction=reduction, label_smoothing=0.25)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(reduction):
+    x, target = randn(0, 5), torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    torch.testing.assert_close(
+        tdnn.cross_entropy(x, target, reduction=reduction),
+        F.cross_entropy(x, target, reduction=reduction),
+        equal_nan=True,
+    )
+
+
+def test_legacy_reduction_arguments():
+    x, target = randn(5, 4), _targets((5,), 4)
+    for size_average, reduce in ((False, None), (None, False), (True, True)):
+        torch.testing.assert_close(
+            tdnn.cross_entropy(x, target, size_average=size_average, reduce=reduce),
+            F.cross_entropy(x, target, size_average=size_average, reduce=reduce),
+        )
+
+
+def test_out_of_range_target_on_device_gives_nan():
+    """The kernels' answer to a target they cannot check without a host sync: that sample's loss
+    and gradient are NaN, the others exact; nothing is read out of bounds."""
+    x = randn(4, 6)
+    target = torch.tensor([1, 6, -3, 2], device=DEVICE)
+    loss, _ = ce._forward(x, target, None, -100, False)
+    expected = F.cross_entropy(x, target.clamp(0, 5), reduction="none")
+    assert torch.isnan(loss[0, 1]) and torch.isnan(loss[0, 2])
+    torch.testing.assert_close(loss[0, [0, 3]], expected[[0, 3]])
+    _, lse = ce._forward(x, target, None, -100, False)
+    dx = ce._backward(torch.ones(1, 4, device=DEVICE), x, target, None, lse, -100)
+    assert torch.isnan(dx[1:3]).all() and not torch.isnan(dx[[0, 3]]).any()
+
+
+def test_errors():
+    x, target = randn(4, 5), _targets((4,), 5)
+    with pytest.raises(TypeError, match="'target' has dtype torch.int32"):
+        tdnn.cross_entropy(x, target.int())
+    with pytest.raises(ValueError, match="'target' has shape"):
+        tdnn.cross_entropy(x, target[:3])
+    with pytest.raises(ValueError, match="class probabilities"):
+        tdnn.cross_entropy(x, torch.rand(4, 6, device=DEVICE))
+    with pytest.raises(ValueError, match="'weight' has 4 elements"):
+        tdnn.cross_entropy(x, target, torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="'reduction'='avg'"):
+        tdnn.cross_entropy(x, target, reduction="avg")
+    with pytest.raises(ValueError, match="'label_smoothing'=1.5"):
+        tdnn.cross_entropy(x, target, label_smoothing=1.5)
+    with pytest.raises(TypeError, match="'ignore_index' must be an int"):
+        tdnn.cross_entropy(x, target, ignore_index=1.0)
+    with pytest.raises(ValueError, match="0 classes"):
+        tdnn.cross_entropy(randn(3, 0), torch.zeros(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(TypeError, match="'input' has dtype torch.int64"):
+        tdnn.cross_entropy(target, target)
+    if DEVICE == "cpu":  # host targets are checked on the host, as PyTorch does
+        with pytest.raises(IndexError, match="target 5 is out of bounds for 5 classes"):
+            tdnn.cross_entropy(x, torch.tensor([0, 5, 1, 2]))
+
+
+def test_library_ops_pass_opcheck():
+    x, target = randn(6, 5), _targets((6,), 5)
+    weight = torch.rand(5, device=DEVICE) + 0.5
+    torch.library.opcheck(ce._forward.op, (x, target, weight, -100, True))
+    _, lse = ce._forward(x, target, None, -100, False)
+    torch.library.opcheck(ce._backward.op, (randn(1, 6), x, target, None, lse, -100))
+
+
+def test_torch_compile_fullgraph():
+    target = _targets((6,), 9)
+
+    def f(x):
+        return tdnn.cross_entropy(x, target, label_smoothing=0.1) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    x = randn(6, 9, scale=2.0).requires_grad_(True)
+    (dx,) = torch.autograd.grad(compiled(x), x)
+    x64 = x.detach().double().requires_grad_(True)
+    (dx_ref,) = torch.autograd.grad(F.cross_entropy(x64, target, label_smoothing=0.1) * 2, x64)
+    assert_close(dx, dx_ref)
+
+
+@pytest.mark.gpu_only("CUDA autocast")
+def test_autocast_gives_fp32_loss_without_casting_the_logits():
+    """Under CUDA autocast PyTorch runs cross entropy in fp32: the same dtype and values here,
+    the bf16 logits' gradient in bf16."""
+    assert ON_GPU
+    x = randn(64, 1000, dtype=torch.bfloat16, scale=3.0)
+    target = _targets((64,), 1000)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, dx = grads(lambda t: tdnn.cross_entropy(t, target), x, torch.tensor(1.0, device=DEVICE))
+        theirs, dx_torch = grads(lambda t: F.cross_entropy(t, target), x, torch.tensor(1.0, device=DEVICE))
+    assert ours.dtype == theirs.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(dx, dx_torch)

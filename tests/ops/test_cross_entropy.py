@@ -75,6 +75,11 @@ def test_strided_logits(layout):
     _check(nchw, _targets((2, 3, 5), 7), f"{layout} NCHW", reduction="sum")
 
 
+def test_one_class():
+    """A single class: every loss is zero (a kernel argument of 1, which Triton specializes)."""
+    _check(randn(5, 1), torch.zeros(5, dtype=torch.int64, device=DEVICE), label_smoothing=0.2)
+
+
 def test_ignore_index_may_be_a_class():
     """A valid class chosen as ignore_index: its samples count for nothing, gradient included."""
     x = randn(40, 6, scale=2.0)

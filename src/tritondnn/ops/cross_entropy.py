@@ -172,7 +172,7 @@ def _backward_kernel(
         if HAS_WEIGHT:
             total = convert(tl.load(wsum_ptr), ACC)
         else:
-            total = n_cols.to(ACC)
+            total = tl.full([BLOCK_R], 1.0, ACC) * n_cols  # (n_cols may be a constexpr: 1)
         coef += b * total
     x_rows = x_ptr + rows[:, None] * xs_row
     d_rows = dx_ptr + rows[:, None] * ds_row

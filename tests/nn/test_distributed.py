@@ -4,6 +4,7 @@ model on the whole batch: the same losses step after step (which needs the gradi
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -78,6 +79,10 @@ def _worker(rank: int, port: int, wrapper: str, out: str) -> None:
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
+        # FSDP2's module and state form a cycle: freed here, while the process group lives,
+        # not during interpreter exit (where a gloo rank can abort).
+        del model
+        gc.collect()
         dist.barrier()  # leave together: a rank whose peers still communicate can abort at exit
     finally:
         dist.destroy_process_group()

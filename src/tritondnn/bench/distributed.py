@@ -301,7 +301,8 @@ def train(
             loss = loss / world
         losses.append(loss.item())  # waits for the step
         times.append((time.perf_counter() - start) * 1e3)
-    del model, step
+    del model, step, opt
+    gc.collect()  # an FSDP2 model is a reference cycle: its memory and process-group hold go now
     if not INTERPRET:
         torch.cuda.empty_cache()
     return losses, statistics.median(times[warmup:])

@@ -5,6 +5,7 @@ precision where it matters (``exp(x) - 1`` and ``log(1 + x)`` near zero, ``tanh`
 the few functions the activations and recurrent cells need are written here from ``exp``/``log``.
 In fp32 they avoid divisions and extra logs (short polynomials near 0), so pointwise kernels on
 bf16 tensors stay memory-bound; fp64 (used for gradcheck) takes the classic exact corrections.
+``online_exp_sum`` is the running max-and-sum step that softmax and cross entropy share.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ def convert(x, dtype: tl.constexpr):
         return x.to(tl.float32).to(dtype)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def online_exp_sum(m, s, x):
+    """One block of a running maximum ``m`` and a sum ``s`` of ``exp(x - m)`` rescaled to it, over
+    the rows of ``x`` (reduced along axis 1): returns the updated (m, s). Rows that have seen only
+    -inf keep a sum of 0 instead of exp(-inf - -inf) = NaN."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+    return m_new, s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), 1)
 
 
 @triton.jit

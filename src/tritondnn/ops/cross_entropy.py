@@ -30,7 +30,7 @@ from ..core.checks import FLOAT_DTYPES, check_choice, check_float, check_tensor
 from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
 from ..core.library import custom_op
-from ..core.numerics import convert
+from ..core.numerics import convert, online_exp_sum
 from .softmax import log_softmax
 
 OP = "tdnn.cross_entropy"
@@ -114,10 +114,7 @@ def _forward_kernel(
         c = start + cols
         mask = row_mask[:, None] & (c < n_cols)
         x = convert(tl.load(x_rows + c * xs_col, mask=mask, other=-float("inf")), ACC)
-        m_new = tl.maximum(m, tl.max(x, 1))
-        # While a row has seen only -inf, keep its sum 0 instead of exp(-inf - -inf) = NaN.
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), 1)
+        m_new, s = online_exp_sum(m, s, x)
         if SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0)

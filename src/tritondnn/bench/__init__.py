@@ -106,22 +106,30 @@ def compiled(fn: Callable, *args: object) -> Callable[[], object] | None:
     return functools.partial(torch.compile(fn), *args)
 
 
+def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` called ``warmup`` times on a side stream (compiles, plans and allocator pools made
+    off the capture), then captured in a CUDA graph: (the graph, what the captured call returned,
+    which the graph's replays rewrite in place)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
     """``fn`` captured in a CUDA graph, as its replay: the device work of a call with no host work
     per call (what a training step captured in a graph runs). None under the interpreter, or
     where ``fn`` cannot be captured (the failure is printed)."""
     if INTERPRET:
         return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     try:
-        with torch.cuda.stream(side):  # warm up (compiles, plans, allocator pools) off the capture
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture(fn)
     except RuntimeError as exc:
         print(f"  (not captured in a CUDA graph: {type(exc).__name__}: {str(exc)[:200]})")
         return None

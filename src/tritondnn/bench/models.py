@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
-from . import Case, compiled, providers
+from ..ops.cross_entropy import cross_entropy
+from . import Case, capture, compiled, providers
 
 # ---------------------------------------------------------------------------------------------
 # Models.
@@ -182,7 +183,6 @@ def training_step(
     backward and an optimizer step; returns the loss, detached. The loss is PyTorch's on the
     logits widened to fp32, or with ``tdnn_loss`` ``tdnn.cross_entropy`` on the logits as they
     are (fp32 arithmetic from bf16, one pass each way: what a tritondnn user writes)."""
-    from ..ops.cross_entropy import cross_entropy
 
     def step(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16, enabled=low_precision):
@@ -247,15 +247,7 @@ def graphed_training_step(
     restore = training_state_restorer(model, opt)
     step = training_step(model, opt, low_precision, tdnn_loss)
     static_x, static_target = x.clone(), target.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step(static_x, static_target)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step(static_x, static_target)
+    graph, static_loss = capture(lambda: step(static_x, static_target), warmup)
     restore()
 
     def replay(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -407,11 +407,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
         loss, stats = _forward(x, target, weight, ignore_index, smoothing)
         ctx.save_for_backward(x, target, weight, stats)
         ctx.ignore_index = ignore_index
-        ctx.mark_non_differentiable(stats)
-        return loss, stats
+        return loss
 
     @staticmethod
-    def backward(ctx, grad, _grad_stats):
+    def backward(ctx, grad):
         x, target, weight, stats = ctx.saved_tensors
         return _backward(grad, x, target, weight, stats, ctx.ignore_index), None, None, None, None
 
@@ -521,7 +520,7 @@ def cross_entropy(
     flat_target = target.reshape(-1).contiguous()
     smoothing = label_smoothing > 0.0
     if input.requires_grad and torch.is_grad_enabled():
-        loss, _ = _CrossEntropyFunction.apply(rows, flat_target, weight, ignore_index, smoothing)
+        loss = _CrossEntropyFunction.apply(rows, flat_target, weight, ignore_index, smoothing)
     else:
         loss, _ = _forward(rows, flat_target, weight, ignore_index, smoothing)
     nll = loss[0] if not smoothing else loss[0] * (1.0 - label_smoothing)
@@ -567,8 +566,7 @@ def _probability_targets(
         return loss.to(out_dtype)
     if reduction == "sum":
         return loss.sum().to(out_dtype)
-    samples = input.numel() // classes if classes else 0
-    return (loss.sum() / samples).to(out_dtype)
+    return (loss.sum() / (input.numel() // classes)).to(out_dtype)
 
 
 __all__ = ["FAMILY", "cross_entropy", "cross_entropy_reference"]

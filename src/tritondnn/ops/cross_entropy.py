@@ -370,7 +370,20 @@ def _fake_backward(
     stats: torch.Tensor,
     ignore_index: int,
 ) -> torch.Tensor:
-    return torch.empty_like(x)
+    return _gradient_like(x)
+
+
+def _gradient_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized gradient for the (rows, classes) logits ``x``: x's shape and strides, but
+    for row-major logits whose rows do not start on 16-byte boundaries (a vocabulary of 50257),
+    rows padded to them. The logits' gradient feeds the output layer's two products, whose
+    descriptors read 16-byte-aligned rows: written so, it is not copied again to the aligned
+    layout (a copy the logits' size, 0.95 ms of GPT-2 small's training step on an H200)."""
+    n_rows, n_cols = x.shape
+    align = 16 // x.element_size()
+    if x.stride(1) != 1 or n_rows < 2 or n_cols % align == 0:
+        return torch.empty_like(x)
+    return x.new_empty(n_rows, -(-n_cols // align) * align)[:, :n_cols]
 
 
 @custom_op(
@@ -388,7 +401,7 @@ def _backward(
 ) -> torch.Tensor:
     """dx of the logits from the gradients of ``_forward``'s per-row terms (``grad``: shaped as
     its first output; two rows mean label smoothing)."""
-    dx = torch.empty_like(x)
+    dx = _gradient_like(x)
     if x.shape[0]:
         smoothing = grad.shape[0] == 2
         grad = grad.to(stats.dtype).contiguous()

@@ -476,6 +476,10 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
         "many": (8192, 8192, 8192),
     }
     first = {name: persistent.configs(_meta_problem(*shape))[0] for name, shape in shapes.items()}
+    # Warp-specialized configs are not offered (NaNs now and then inside GPT-2's step, engines.py).
+    assert not any(
+        "WARP_SPECIALIZE" in c for s in shapes.values() for c in persistent.configs(_meta_problem(*s))
+    )
     assert first["few"] == first["short K"] == mm_engines._PAIRED
     assert all(first[name].get("CTAS", 1) == 1 for name in ("long K", "full waves", "many"))
     assert (first["long K"]["BLOCK_M"], first["long K"]["BLOCK_N"]) == (128, 128)  # K-major A

@@ -545,13 +545,22 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             else {**c, "STORE_DESC": False, "SUBTILE": halves}
             for c in _tile_configs(problem)
         ]
-        plain = [{**c, "WARP_SPECIALIZE": False, "FLATTEN": False} for c in tiles]
+        plain = [{**c, "FLATTEN": False} for c in tiles]
         if not (problem.fp8 or problem.dtypes[0] in ("float16", "bfloat16")):
-            # fp32 and TF32: warp specialization failed to compile (TF32) or ran 70x slower (fp32).
             return plain
         ordered = self._ordered(problem, tiles, plain)
         lead = _medium_lead(problem)
         return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
+
+    # No warp-specialized configs (Triton's producer/consumer split of the tile loop): on an H200
+    # (Triton 3.6) the 1024 < K <= 4096 products they led (the data gradients of GPT-2 small's qkv
+    # and first MLP layers) returned NaN now and then inside a training step: in most runs of a few
+    # steps, a layer norm's incoming gradient was non-finite while the one above it was not. With
+    # plain tiles leading there, three runs of eight steps were clean; so were three with every
+    # kernel launched through Triton's own launcher, which allocates the device-made descriptors'
+    # scratch per launch (ours keeps one per stream), and a host sync in the backward pass hid it
+    # too: how the specialized kernel fails was not pinned down. It had gained 2-5% there (H100).
+    # (Earlier, a 5-stage 128x128 specialized variant computed NaNs outright.)
 
     @staticmethod
     def _ordered(
@@ -559,41 +568,31 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
     ) -> list[LaunchConfig]:
         """16-bit and fp8 configs, best first, for problems with many big tiles."""
         big = [c for c in tiles if c["BLOCK_M"] >= 128 and c["BLOCK_N"] >= 128][:2]
-        specialized = [{**c, "WARP_SPECIALIZE": True, "FLATTEN": False} for c in big]
         # One loop over (tile, K step): the next tile's loads start during this tile's epilogue.
-        flattened = [{**c, "WARP_SPECIALIZE": ws, "FLATTEN": True} for c in big[:1] for ws in (False, True)]
-        if problem.fp8 or not big or big[0] != tiles[0]:
-            return plain + specialized + flattened
-        # The first pick, measured on H100 (bf16, 128x256 tiles): flattening gained 10% at K = 512;
-        # warp specialization 2-5% for K = 2048 to 4096 and lost 5% at K = 8192. (A 5-stage
-        # 128x128 warp-specialized variant computed NaNs: not listed.)
-        if problem.k <= 1024:
-            p = problem
-            heavy = p.activation >= 0 or p.residual_strides is not None
-            if heavy and cdiv(p.m, 128) * cdiv(p.n, 128) >= 4 * sm_count():
-                # A short K loop leaves the epilogue a large share of the time: two 128x128 programs
-                # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
-                # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
-                # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
-                return [_PAIRED, *flattened, *plain, *specialized]
-            return flattened + plain + specialized
-        if problem.k <= 4096:
-            if problem.activation >= 0 and problem.residual_strides is None:
-                # An activation's epilogue over the tile's column halves, the loops flattened: H100,
-                # 8192 x 11008, K = 4096, bf16, medians of four: bias + gelu 1154 -> 1125 us, bias +
-                # silu even (1157 / 1155); a residual lost (1170 -> 1200), so not there.
-                halves = {**specialized[0], "FLATTEN": True, "SUBTILE": True}
-                return [halves, *specialized, *plain, *flattened]
-            return specialized + plain + flattened
-        return plain + specialized + flattened
+        flattened = [{**c, "FLATTEN": True} for c in big[:1]]
+        if problem.fp8 or not big or big[0] != tiles[0] or problem.k > 1024:
+            # (For 1024 < K <= 4096 with an activation, flattened loops over the tile's column
+            # halves had led, warp-specialized: bias + gelu at 8192 x 11008, K = 4096, 1154 -> 1125
+            # us on an H100. Not measured without the specialization: plain tiles lead there now.)
+            return plain + flattened
+        # The first pick, measured on H100 (bf16, 128x256 tiles): flattening gained 10% at K = 512.
+        p = problem
+        heavy = p.activation >= 0 or p.residual_strides is not None
+        if heavy and cdiv(p.m, 128) * cdiv(p.n, 128) >= 4 * sm_count():
+            # A short K loop leaves the epilogue a large share of the time: two 128x128 programs
+            # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
+            # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
+            # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
+            return [_PAIRED, *flattened, *plain]
+        return flattened + plain
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        # What runs if this config fails to build: the same tile without warp specialization and
-        # flattening (their pipelines take more shared memory: a residual epilogue overflowed it
-        # with 128x256 tiles), then the tiled kernel.
+        # What runs if this config fails to build: the same tile without flattening (its pipeline
+        # takes more shared memory: a residual epilogue overflowed it with 128x256 tiles), then
+        # the tiled kernel.
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
-        plain = {**config, "WARP_SPECIALIZE": False, "FLATTEN": False}
+        plain = {**config, "FLATTEN": False}
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
         if repack_a:
@@ -643,7 +642,6 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
 # descriptor store's staging would not fit twice).
 _PAIRED = {
     **_tile(128, 128, 64, 4, 3),
-    "WARP_SPECIALIZE": False,
     "FLATTEN": True,
     "CTAS": 2,
     "STORE_DESC": False,
@@ -671,7 +669,7 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
     if p.k <= 1024 and square >= sm_count() and (few or p.k <= 256):
         return _PAIRED
     if few and square < sm_count() and p.k > 1024 and p.a_strides[3] == 1:
-        return {**_tile(128, 128, 64, 4, 4), "WARP_SPECIALIZE": False, "FLATTEN": False}
+        return {**_tile(128, 128, 64, 4, 4), "FLATTEN": False}
     return None
 
 
@@ -773,7 +771,7 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
               p.bias_stride, programs),
         constexprs=(
             *_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc, bm, bn, config["BLOCK_K"],
-            config["GROUP_M"], config["WARP_SPECIALIZE"], config["FLATTEN"], config.get("SUBTILE", False),
+            config["GROUP_M"], config["FLATTEN"], config.get("SUBTILE", False),
         ),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

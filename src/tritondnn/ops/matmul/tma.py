@@ -29,7 +29,7 @@ def _persistent_kernel(
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size.
 
@@ -37,7 +37,6 @@ def _persistent_kernel(
     covers the stored K x M matrix and tiles are transposed after loading; otherwise sa_k == 1.
     B_T: B's K dimension is contiguous (B = W.T of a row-major weight, sb_k == 1); otherwise
     sb_n == 1. OUT_DESC: the output is stored through a descriptor too (so_n == 1, aligned rows).
-    WARP_SPECIALIZE: Triton splits the tile loop into producer (copy) and consumer (MMA) warps.
     FLATTEN: Triton pipelines the tile and K loops as one, so the next tile's loads are issued
     during this tile's epilogue. SUBTILE: the epilogue runs on the tile's two column halves in
     turn, so the first half's store is under way while the second is computed.
@@ -60,9 +59,7 @@ def _persistent_kernel(
     # The epilogue finds its tile from a counter of its own: with the loops flattened, what the top
     # of the body computes may already belong to the next tile.
     tile_done = tl.program_id(0) - programs
-    for tile in tl.range(
-        tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
         pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -294,6 +295,25 @@ def test_tiny_models_train_like_torch(index):
     worst, tolerance = agreement(result, low_precision=False)
     assert worst <= tolerance == loss_tolerance(False) == 1e-3
     assert loss_tolerance(True) == 2.0**-8 and loss_tolerance(True, 0.1) == 0.2
+
+
+@pytest.mark.gpu_only("bf16 training at GPT-2 small's width")
+def test_gpt_at_gpt2_width_trains_like_torch_in_bf16():
+    """Four decoder layers at GPT-2 small's width (its products: 8192 tokens against 768 x 2304
+    and 768 x 3072 weights), eight bf16 AdamW steps patched and plain from one seed: every loss
+    finite and within the models' tolerance of PyTorch's. (Warp-specialized matmul configs made
+    these layers' data gradients NaN now and then on an H200.)"""
+    from tritondnn.bench.models import GPT, Workload, agreement, compare
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 2048, (8, 1025), generator=g).to(DEVICE)
+        return ids[:, :-1], ids[:, 1:]
+
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4, fused=True)
+    result = compare(Workload("gpt 4x768", lambda: GPT(2048, 768, 4, 12, 1024), batch, adamw), 8, True)
+    assert all(math.isfinite(loss) for loss in result["tritondnn loss"] + result["torch loss"])
+    worst, tolerance = agreement(result, low_precision=True)
+    assert worst <= tolerance
 
 
 @pytest.mark.gpu_only("CUDA graphs")

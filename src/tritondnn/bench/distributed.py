@@ -53,7 +53,7 @@ from torch import nn
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
 from . import Case, Row, Table, graphed, run_cases, write_json
-from .models import GPT, ResNet, graphed_training_step, training_step
+from .models import GPT, ResNet, graphed_training_step, relative_difference, training_step
 
 SUITE = "distributed"
 WRAPPERS = ("ddp", "fsdp2")
@@ -334,21 +334,17 @@ class LossCheck:
     one_gpu_reversed: list[float]
     unsynced: list[float]
 
-    @staticmethod
-    def _worst(a: Sequence[float], b: Sequence[float]) -> float:
-        return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
     @property
     def error(self) -> float:
-        return self._worst(self.split, self.one_gpu)
+        return relative_difference(self.split, self.one_gpu)
 
     @property
     def noise(self) -> float:
-        return self._worst(self.one_gpu_reversed, self.one_gpu)
+        return relative_difference(self.one_gpu_reversed, self.one_gpu)
 
     @property
     def unsynced_error(self) -> float:
-        return self._worst(self.unsynced, self.one_gpu)
+        return relative_difference(self.unsynced, self.one_gpu)
 
     @property
     def bound(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -305,8 +306,10 @@ def loss_tolerance(low_precision: bool, spread: float = 0.0) -> float:
 
 
 def relative_difference(losses: list[float], reference: list[float]) -> float:
-    """The largest relative difference between two loss curves."""
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    """The largest relative difference between two loss curves; infinite where a loss is not
+    finite (``max`` alone would pass a NaN over: it compares false with everything)."""
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
 
 
 def compare(w: Workload, steps: int, low_precision: bool) -> dict[str, list[float]]:

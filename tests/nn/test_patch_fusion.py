@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 
 import pytest
 import torch
@@ -303,3 +304,102 @@ def test_fused_model_traces_in_one_graph():
     assert_close(got, ref, same, "compiled output")
     for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
         assert_close(a, b, c, f"compiled gradient {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# An add into a layer or RMS norm (a pre-norm transformer block's residual stream).
+
+NORM_ADDS = {
+    "a + r": operator.add,
+    "r + a": lambda a, r: r + a,
+    "torch.add": torch.add,
+    "a.add(r)": lambda a, r: a.add(r),
+}
+
+
+class PreNormBlock(nn.Module):
+    """``x + f(norm1(x))``, then that plus ``g(norm2(.))``: the first sum feeds norm2 and the last
+    add. ``branch_dtype``: f's output cast to it (a bf16 branch on an fp32 stream, as autocast
+    leaves them)."""
+
+    def __init__(self, dim: int = 24, norm: str = "layer", add: str = "a + r", branch_dtype=None) -> None:
+        super().__init__()
+        make = nn.LayerNorm if norm == "layer" else nn.RMSNorm
+        self.norm1, self.norm2 = make(dim), make(dim)
+        self.f, self.g = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.add_fn, self.branch_dtype = NORM_ADDS[add], branch_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.f(self.norm1(x))
+        if self.branch_dtype is not None:
+            branch = branch.to(self.branch_dtype)
+        x = self.add_fn(x, branch)
+        return x + self.g(self.norm2(x))
+
+
+@pytest.fixture
+def add_norm_calls(monkeypatch):
+    """The (input dtype, residual dtype) of every fused add + norm call."""
+    calls = []
+    for name in ("add_layer_norm", "add_rms_norm"):
+        real = getattr(tdnn.ops.norm, name)
+
+        def recording(x, r, *args, real=real, **kwargs):
+            calls.append((x.dtype, r.dtype))
+            return real(x, r, *args, **kwargs)
+
+        monkeypatch.setattr(tdnn.ops.norm, name, recording)
+    return calls
+
+
+@pytest.mark.parametrize("add", list(NORM_ADDS))
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_add_into_norm_is_fused(norm, add, add_norm_calls):
+    model, ours, report = _pair(lambda: PreNormBlock(norm=norm, add=add))
+    assert report.fused == [("norm2", f"add+{norm}_norm")]
+    _compare_steps(model, ours, randn(3, 5, 24), f"{norm} {add}")
+    assert add_norm_calls == [(torch.float32, torch.float32)] * (3 + 1)  # three steps, then eval
+
+
+def test_add_of_a_narrower_branch_into_norm(add_norm_calls):
+    """fp32 stream + bf16 branch: one pass with the fp32 operand as the norm's input whichever
+    side of the add it is on; the sum fp32 as PyTorch's promotion makes it."""
+    model, ours, report = _pair(lambda: PreNormBlock(branch_dtype=torch.bfloat16, add="r + a"))
+    assert report.fused == [("norm2", "add+layer_norm")]
+    _compare_steps(model, ours, randn(3, 5, 24), "fp32 + bf16")
+    assert set(add_norm_calls) == {(torch.float32, torch.bfloat16)}
+
+
+def test_add_into_norm_falls_back_quietly(add_norm_calls):
+    """A broadcast operand, or a norm with a hook: the add and the norm as written, no warning."""
+
+    class Broadcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.shift = nn.LayerNorm(8), nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return self.norm(x + self.shift)
+
+    model, ours, report = _pair(Broadcast)
+    assert report.fused == [("norm", "add+layer_norm")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compare_steps(model, ours, randn(4, 8), "broadcast")
+    assert not [w for w in caught if "tritondnn falls back" in str(w.message)]
+    assert add_norm_calls == []
+    hooked = PreNormBlock()
+    hooked.norm2.register_forward_hook(lambda *args: None)
+    assert tnn.patch(hooked, fuse=True).fused == []
+
+
+def test_add_into_norm_traces_in_one_graph(add_norm_calls):
+    torch._dynamo.reset()
+    model, ours, report = _pair(lambda: PreNormBlock(branch_dtype=torch.bfloat16))
+    assert report.fused
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x = randn(2, 3, 24)
+    ref, _ = _run(copy.deepcopy(model).double(), x.double(), 0)
+    got, _ = _run(compiled, x, 0)
+    same, _ = _run(model, x, 0)
+    assert_close(got, ref, same, "compiled add + norm")

@@ -118,6 +118,28 @@ def test_fused_residual_add(rms, dtype, poison):
     _compare(ours, ref, [x, r, w, b if not rms else None], [dy, ds], f"add+{'rms' if rms else 'layer'}_norm")
 
 
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_residual_add_of_a_narrower_dtype(rms, residual_dtype, poison):
+    """An fp32 residual stream plus a 16-bit branch's output (what autocast leaves): the sum in
+    fp32, as PyTorch's type promotion forms it, and the branch's gradient in its own dtype."""
+    x, r = randn(6, 40, scale=2.0), randn(6, 40, dtype=residual_dtype, scale=2.0)
+    w, b, dy, ds = randn(40), randn(40), randn(6, 40), randn(6, 40)
+    eps = 1e-5
+
+    def ref(x, r, w, b):
+        s = x + r
+        y = F.rms_norm(s, (40,), w, eps=eps) if rms else F.layer_norm(s, (40,), w, b, eps)
+        return y, s
+
+    def ours(x, r, w, b):
+        return norm.add_rms_norm(x, r, 40, w, eps) if rms else norm.add_layer_norm(x, r, 40, w, b, eps)
+
+    _compare(ours, ref, [x, r, w, b if not rms else None], [dy, ds], f"fp32 + {residual_dtype}")
+    with pytest.raises(ValueError, match="no wider"):  # the sum would be in the residual's dtype
+        ours(r, x, w, b)
+
+
 def test_fused_residual_gradient_of_the_sum_alone():
     x, r = randn(4, 16).requires_grad_(True), randn(4, 16)
     _, s = norm.add_rms_norm(x, r, 16)

@@ -111,6 +111,16 @@ def test_repeated_calls_match_torch(op, dtype, shape, has_w, has_b, activation, 
     assert len(L._eager) == 1
 
 
+def test_repeated_calls_with_a_narrower_residual(counted):
+    """fp32 input plus a bf16 residual (autocast's residual stream and branch), three calls of one
+    key: the fast path's plans are bound to both dtypes."""
+    for _ in range(3):
+        x, r = _input("3d", torch.float32), randn(3, 5, 24, dtype=torch.bfloat16)
+        w, b, dy = randn(24), randn(24), [randn(3, 5, 24)] * 2
+        _compare(_ours("add_layer_norm", 24), _theirs("add_layer_norm", 24), [x, w, b, r], dy, "fp32 + bf16")
+    assert counted == {"checks": 1, "general": 0}
+
+
 def test_without_autograd(counted):
     """The forward alone (no_grad, and inputs that need no gradient): the same values, no graph."""
     w, b = randn(24), randn(24)
@@ -263,7 +273,7 @@ def test_bad_residual_on_a_cached_key_still_raises(counted):
     x, r = randn(3, 6), randn(3, 6)
     L.add_layer_norm(x, r, 6)
     L.add_layer_norm(x, r, 6)
-    for bad in (randn(3, 6, dtype=torch.float16), randn(2, 6)):
+    for bad in (randn(3, 6, dtype=torch.float64), randn(2, 6)):
         with pytest.raises(ValueError, match="'residual'"):
             L.add_layer_norm(x, bad, 6)
 

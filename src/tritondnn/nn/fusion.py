@@ -1,8 +1,9 @@
 """Patch-time fusion: batch norm with the convolution before it and the ReLU after it (with a
-residual add between them or not) as one call: cuDNN's conv-BN, BN-ReLU and BN-add-ReLU.
+residual add between them or not) as one call: cuDNN's conv-BN, BN-ReLU and BN-add-ReLU; and an
+add into a layer or RMS norm (a pre-norm transformer's residual stream) as one call.
 
 A model's own modules (a ResNet block, say) call their children from Python: which module's
-output feeds which is only visible in ``forward``'s code. ``fuse_batch_norm`` traces each
+output feeds which is only visible in ``forward``'s code. ``fuse_norms`` traces each
 such module's forward with torch.fx, its children left as calls (not traced into), finds
 
     y = relu(bn(x))            and        y = relu(bn(x) + r)   (or r + bn(x), or bn(x) += r)
@@ -12,9 +13,12 @@ values, and replaces the module's forward with the rewritten graph: one autograd
 two to four, forward and backward, and no intermediate tensors between batch norm and ReLU
 (``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution).
 ``tdnn.nn.SyncBatchNorm`` takes the ReLU and the residual the same way (its finalize pass applies
-them between its collectives) but not the convolution before it. The
-graph calls the same child modules (their parameters, buffers, train/eval state), so
-``state_dict``, the optimizer and ``train()``/``eval()`` are unaffected.
+them between its collectives) but not the convolution before it. ``norm(a + b)`` of a
+tritondnn LayerNorm or RMSNorm becomes ``add_norm``: the norm and the sum, which other nodes may
+read too, from one pass (``tdnn.add_layer_norm``/``add_rms_norm``) where the operands allow,
+the add and the norm as written otherwise. The graph calls the same child modules (their
+parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
+``train()``/``eval()`` are unaffected.
 
 The traced graph fixes the Python control flow of the forward it recorded: a module whose traced
 code differs between train and eval mode, or that cannot be traced, is left alone and reported.
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .conv_bn import conv_batch_norm
-from .layers import Conv2d, ReLU, _hooked, fusable_batch_norm, relu_fusable_batch_norm
+from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_norm, relu_fusable_batch_norm
 
 # The marker on a module whose forward was replaced: unpatch deletes the instance attribute.
 FUSED_FORWARD = "_tdnn_fused_forward"
@@ -54,6 +58,20 @@ def batch_norm_relu(module: nn.Module, input: torch.Tensor, residual: torch.Tens
     """``relu(module(input) + residual)`` (or without the residual) as one op: what a fused graph
     calls in place of the batch norm node and the nodes it absorbed."""
     return module.forward_relu(input, residual)
+
+
+def add_norm(module: nn.Module, a: Any, b: Any) -> tuple[Any, Any]:
+    """``(module(a + b), a + b)`` for a tritondnn LayerNorm or RMSNorm ``module``: one pass of its
+    ``forward_add`` where the operands allow (tensors of one shape and device, the sum in the
+    dtype of one of them: that one is the norm's input, the other its residual), else the add
+    as written (broadcasting, promotion) and then the module."""
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if tensors and a.shape == b.shape and a.device == b.device:
+        wide = torch.promote_types(a.dtype, b.dtype)
+        if a.is_floating_point() and b.is_floating_point() and wide in (a.dtype, b.dtype):
+            return module.forward_add(a, b) if wide == a.dtype else module.forward_add(b, a)
+    total = a + b
+    return module(total), total
 
 
 def _is_relu(node: fx.Node, source: fx.Node, root: nn.Module) -> bool:
@@ -153,13 +171,58 @@ def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
     return fused
 
 
+def _add_norm_operands(node: fx.Node, root: nn.Module) -> tuple[fx.Node, fx.Node] | None:
+    """The two operands of ``a + b`` where ``node`` calls a tritondnn LayerNorm or RMSNorm (no
+    hooks) on that sum alone, an out-of-place add of two traced values with no ``alpha``."""
+    if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        return None
+    if not _is_norm_after_add(root.get_submodule(node.target)):
+        return None
+    (src,) = node.args
+    if not isinstance(src, fx.Node) or src.kwargs or len(src.args) != 2:
+        return None
+    a, b = src.args
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None
+    plain_add = src.op == "call_function" and src.target in _ADD_FUNCTIONS
+    return (a, b) if plain_add or (src.op == "call_method" and src.target == "add") else None
+
+
+def _rewrite_add_norm(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
+    """Replace each ``norm(a + b)`` (the sum read elsewhere too, or not) with one ``add_norm``
+    call giving both; returns the (norm's name, pattern) of each."""
+    fused = []
+    for node in list(graph.nodes):
+        operands = _add_norm_operands(node, root)
+        if operands is None:
+            continue
+        src = node.args[0]
+        assert isinstance(src, fx.Node)
+        with graph.inserting_before(src):
+            pair = graph.call_function(add_norm, (graph.get_attr(node.target), *operands))
+            normalized = graph.call_function(operator.getitem, (pair, 0))
+            total = graph.call_function(operator.getitem, (pair, 1))
+        node.replace_all_uses_with(normalized)
+        graph.erase_node(node)
+        src.replace_all_uses_with(total)
+        graph.erase_node(src)
+        kind = "rms_norm" if isinstance(root.get_submodule(node.target), RMSNorm) else "layer_norm"
+        fused.append((str(node.target), f"add+{kind}"))
+    graph.lint()
+    return fused
+
+
+def _is_norm_after_add(module: nn.Module) -> bool:
+    return type(module) in (LayerNorm, RMSNorm) and not _hooked(module)
+
+
 def _own_module(module: nn.Module) -> bool:
-    """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm
-    of tritondnn's among its direct children."""
+    """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm,
+    a layer norm or an RMS norm of tritondnn's among its direct children."""
     cls = type(module)
     if cls.__module__.startswith(("torch.", f"{__package__}.")):
         return False
-    return any(relu_fusable_batch_norm(child) for child in module.children())
+    return any(relu_fusable_batch_norm(c) or _is_norm_after_add(c) for c in module.children())
 
 
 def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
@@ -180,12 +243,13 @@ def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
     return graphs[0], ""
 
 
-def fuse_batch_norm(
+def fuse_norms(
     model: nn.Module, selected: Callable[[str, nn.Module], bool]
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     """Rewrite the forward of each of ``model``'s own modules (``selected`` by name and module)
-    whose code runs a convolution into a batch norm or a batch norm into a ReLU. Returns (fused:
-    qualified batch norm name and pattern, skipped: module name, class and why)."""
+    whose code runs a convolution into a batch norm, a batch norm into a ReLU, or an add into a
+    layer or RMS norm. Returns (fused: qualified norm name and pattern, skipped: module name,
+    class and why)."""
     fused: list[tuple[str, str]] = []
     skipped: list[tuple[str, str, str]] = []
     for name, module in model.named_modules():
@@ -195,7 +259,7 @@ def fuse_batch_norm(
         if graph is None:
             skipped.append((name, type(module).__name__, why))
             continue
-        sites = _rewrite(graph, module)
+        sites = _rewrite(graph, module) + _rewrite_add_norm(graph, module)
         if not sites:
             continue
         # The GraphModule holds the same child modules (not copies); the forward it compiled

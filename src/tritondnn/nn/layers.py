@@ -302,6 +302,22 @@ class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
     """``torch.nn.InstanceNorm3d`` through ``tdnn.instance_norm``."""
 
 
+def _norm_after_add(
+    module: nn.Module, op: Callable[..., Any], input: torch.Tensor, residual: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(module(input + residual), input + residual)``: ``op(input, residual, *args)`` in one pass,
+    or the add and then ``module`` where ``op`` does not take the operands, or where autocast
+    would run the norm in fp32 on a narrower sum (the fused op keeps the sum's dtype)."""
+
+    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        total = input + residual
+        return module(total), total
+
+    if input.dtype != torch.float32 and torch.is_autocast_enabled(input.device.type):
+        return unfused()
+    return run_or_fallback(module, input, lambda: op(input, residual, *args), unfused)
+
+
 class LayerNorm(nn.LayerNorm):
     """``torch.nn.LayerNorm`` through ``tdnn.layer_norm``."""
 
@@ -311,6 +327,13 @@ class LayerNorm(nn.LayerNorm):
             self, input, lambda: ops.norm.layer_norm(*args), lambda: nn.LayerNorm.forward(self, input)
         )
 
+    def forward_add(self, input: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(input + residual), input + residual)`` in one pass (``tdnn.add_layer_norm``:
+        ``residual`` in input's dtype or a narrower one); the add, then ``self``, where that op
+        does not take the operands."""
+        args = (self.normalized_shape, self.weight, self.bias, self.eps)
+        return _norm_after_add(self, ops.norm.add_layer_norm, input, residual, *args)
+
 
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` through ``tdnn.rms_norm``."""
@@ -319,6 +342,13 @@ class RMSNorm(nn.RMSNorm):
         args = (input, self.normalized_shape, self.weight, self.eps)
         return run_or_fallback(
             self, input, lambda: ops.norm.rms_norm(*args), lambda: nn.RMSNorm.forward(self, input)
+        )
+
+    def forward_add(self, input: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(input + residual), input + residual)`` in one pass (``tdnn.add_rms_norm``), as
+        ``LayerNorm.forward_add``."""
+        return _norm_after_add(
+            self, ops.norm.add_rms_norm, input, residual, self.normalized_shape, self.weight, self.eps
         )
 
 

@@ -49,8 +49,9 @@ Selector = type[nn.Module] | str
 class PatchReport:
     """What ``patch`` did: ``replaced`` (qualified name, class) and ``skipped`` (qualified name,
     class, reason), in module order; ``sdpa`` whether ``F.scaled_dot_product_attention`` is routed
-    through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified batch norm name,
-    pattern) for each batch norm that ``fuse=True`` joined with its convolution or ReLU."""
+    through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified norm name, pattern)
+    for each batch norm that ``fuse=True`` joined with its convolution or ReLU, and each layer or
+    RMS norm it joined with the add before it."""
 
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
@@ -98,7 +99,8 @@ def patch(
         fuse: also rewrite the forward of the model's own modules (not torch.nn's) where it runs
             a convolution into a batch norm, or a batch norm into a ReLU with or without a
             residual add between them (a ResNet block's ``relu(bn(conv(x)))`` and
-            ``relu(bn(conv(y)) + x)``), to run each chain as one autograd node; see
+            ``relu(bn(conv(y)) + x)``), or an add into a LayerNorm or RMSNorm (``norm2(x +
+            attn(norm1(x)))``), to run each chain as one autograd node; see
             ``tritondnn.nn.fusion`` for what tracing fixes. Patched ``Sequential`` containers
             fuse Conv2d + BatchNorm (+ ReLU) and BatchNorm + ReLU either way.
 
@@ -135,7 +137,7 @@ def patch(
         )
     report.sdpa = bool(getattr(model, "_tdnn_sdpa_hooks", None))
     if fuse:
-        fused, skipped = fusion.fuse_batch_norm(model, lambda name, m: not _matches(name, m, exclude))
+        fused, skipped = fusion.fuse_norms(model, lambda name, m: not _matches(name, m, exclude))
         report.fused += fused
         report.skipped += skipped
     return report

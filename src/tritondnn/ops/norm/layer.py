@@ -298,11 +298,12 @@ def _forward_plan(args: tuple, rms: bool, act: int, has_res: bool, has_w: bool, 
     x2, res2, w, b = args[:4]
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), res2.stride(0), n_cols, n_cols)
-    key = (False, rms, has_res, has_w, has_b, act, n_rows, n_cols, strides, x2.dtype, w.dtype, b.dtype)
+    dtypes = (x2.dtype, w.dtype, b.dtype, res2.dtype)
+    key = (False, rms, has_res, has_w, has_b, act, n_rows, n_cols, strides, *dtypes)
 
     def problem() -> LayerNormProblem:
         flags = (rms, has_res, has_w, has_b, act, False, False, False)
-        names = (dtype_name(x2.dtype), dtype_name(w.dtype), dtype_name(b.dtype))
+        names = tuple(dtype_name(d) for d in dtypes)
         return LayerNormProblem(False, *flags, names, n_rows, n_cols, strides)
 
     return FAMILY.plan(key, problem, lambda: args)
@@ -588,10 +589,15 @@ def _norm(
     bias = check_affine(op, "bias", bias, shape, input)
     if residual is not None:
         check_tensor(op, "residual", residual)
-        if residual.shape != input.shape or residual.dtype != input.dtype or residual.device != input.device:
+        if (
+            residual.shape != input.shape
+            or residual.device != input.device
+            or not residual.is_floating_point()
+            or torch.promote_types(input.dtype, residual.dtype) != input.dtype
+        ):
             raise ValueError(
-                f"{op}: argument 'residual' ({tuple(residual.shape)}, {residual.dtype}) must match "
-                f"'input' ({tuple(input.shape)}, {input.dtype})"
+                f"{op}: argument 'residual' ({tuple(residual.shape)}, {residual.dtype}) must have the shape "
+                f"and device of 'input' ({tuple(input.shape)}, {input.dtype}) and a float dtype no wider"
             )
     eps = check_eps(op, eps)
     act, p0, p1 = activation_kind(activation, op)
@@ -669,7 +675,10 @@ def add_layer_norm(
     eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer_norm(input + residual)`` in one pass. Returns ``(normalized, input + residual)``:
-    the sum, rounded to the input dtype, is the next block's residual in pre-norm transformers."""
+    the sum, rounded to the input dtype, is the next block's residual in pre-norm transformers.
+    ``residual`` has input's shape, in input's dtype or a narrower float one (a bf16 branch's
+    output onto an fp32 residual stream, as under autocast): the sum is formed in fp32, as
+    PyTorch's type promotion would, and its gradient reaches ``residual`` in residual's dtype."""
     return _norm("tdnn.add_layer_norm", input, residual, normalized_shape, weight, bias, eps, False, None)
 
 
@@ -680,6 +689,7 @@ def add_rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm(input + residual)`` in one pass; returns ``(normalized, input + residual)``."""
+    """``rms_norm(input + residual)`` in one pass; returns ``(normalized, input + residual)``
+    (``residual`` as ``add_layer_norm``'s)."""
     eps = _default_eps(input) if eps is None else eps
     return _norm("tdnn.add_rms_norm", input, residual, normalized_shape, weight, None, eps, True, None)

@@ -327,13 +327,11 @@ class PreNormBlock(nn.Module):
         make = nn.LayerNorm if norm == "layer" else nn.RMSNorm
         self.norm1, self.norm2 = make(dim), make(dim)
         self.f, self.g = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.add_fn, self.branch_dtype = NORM_ADDS[add], branch_dtype
+        self.add_fn = NORM_ADDS[add]
+        self.cast = (lambda t: t) if branch_dtype is None else (lambda t: t.to(branch_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        branch = self.f(self.norm1(x))
-        if self.branch_dtype is not None:
-            branch = branch.to(self.branch_dtype)
-        x = self.add_fn(x, branch)
+        x = self.add_fn(x, self.cast(self.f(self.norm1(x))))
         return x + self.g(self.norm2(x))
 
 
@@ -403,3 +401,54 @@ def test_add_into_norm_traces_in_one_graph(add_norm_calls):
     got, _ = _run(compiled, x, 0)
     same, _ = _run(model, x, 0)
     assert_close(got, ref, same, "compiled add + norm")
+
+
+def test_add_into_norm_left_alone_where_tracing_would_change_the_code(add_norm_calls):
+    """Not fused: a sum changed in place before the norm reads it; modules whose forward has a
+    default argument, a branch or a ``with`` block (not traced for this pattern at all)."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.f = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = x + self.f(x)
+            h.clamp_(min=0.0)
+            return self.norm(h)
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.f = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x, mask=None):
+            h = self.f(x)
+            if mask is not None:
+                h = h * mask
+            return self.norm(x + h)
+
+    class NoGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.f = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.f(x)
+            return self.norm(x + h)
+
+    model, ours, report = _pair(InPlace)
+    assert report.fused == [] and report.skipped == []
+    _compare_steps(model, ours, randn(4, 8), "in place")
+    for make in (Masked, NoGrad):
+        model, ours, report = _pair(make)
+        assert report.fused == [] and report.skipped == [] and "forward" not in vars(ours)
+    x, mask = randn(4, 8).requires_grad_(True), randn(4, 8)
+    y = ours(x)
+    assert_close(y, model(x), what="no_grad block")
+    y.sum().backward()
+    assert ours.f.weight.grad is None and x.grad is not None  # f ran without autograd, as written
+    masked, masked_ours, _ = _pair(Masked)
+    assert_close(masked_ours(x, mask), masked(x, mask), what="masked")
+    assert add_norm_calls == []

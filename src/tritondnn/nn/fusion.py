@@ -14,9 +14,12 @@ two to four, forward and backward, and no intermediate tensors between batch nor
 (``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution).
 ``tdnn.nn.SyncBatchNorm`` takes the ReLU and the residual the same way (its finalize pass applies
 them between its collectives) but not the convolution before it. ``norm(a + b)`` of a
-tritondnn LayerNorm or RMSNorm becomes ``add_norm``: the norm and the sum, which other nodes may
-read too, from one pass (``tdnn.add_layer_norm``/``add_rms_norm``) where the operands allow,
-the add and the norm as written otherwise. The graph calls the same child modules (their
+tritondnn LayerNorm or RMSNorm becomes ``add_norm``: the norm and the sum, which nodes after the
+norm may read too, from one pass (``tdnn.add_layer_norm``/``add_rms_norm``) where the operands
+allow at run time, the add and the norm as written otherwise. Only modules whose forward is
+straight-line code are traced for it (no branches, loops or ``with`` blocks, no default
+arguments): a trace would bake in the branches taken and drop context managers such as
+``torch.no_grad()``, which transformer blocks often use. The graph calls the same child modules (their
 parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
 ``train()``/``eval()`` are unaffected.
 
@@ -29,7 +32,10 @@ registered on the fused modules after patching are not called for the fused pair
 
 from __future__ import annotations
 
+import ast
+import inspect
 import operator
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -171,15 +177,22 @@ def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
     return fused
 
 
-def _add_norm_operands(node: fx.Node, root: nn.Module) -> tuple[fx.Node, fx.Node] | None:
+def _add_norm_operands(
+    node: fx.Node, root: nn.Module, order: dict[fx.Node, int]
+) -> tuple[fx.Node, fx.Node] | None:
     """The two operands of ``a + b`` where ``node`` calls a tritondnn LayerNorm or RMSNorm (no
-    hooks) on that sum alone, an out-of-place add of two traced values with no ``alpha``."""
+    hooks) on that sum alone, an out-of-place add of two traced values with no ``alpha``, whose
+    other readers all come after the norm (``order``: the nodes' positions). The fused call
+    runs where the add was: a reader between the two could change the sum in place (``clamp_``,
+    an in-place dropout) before the norm reads it."""
     if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
         return None
     if not _is_norm_after_add(root.get_submodule(node.target)):
         return None
     (src,) = node.args
     if not isinstance(src, fx.Node) or src.kwargs or len(src.args) != 2:
+        return None
+    if any(order[user] < order[node] for user in src.users if user is not node):
         return None
     a, b = src.args
     if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
@@ -189,11 +202,12 @@ def _add_norm_operands(node: fx.Node, root: nn.Module) -> tuple[fx.Node, fx.Node
 
 
 def _rewrite_add_norm(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
-    """Replace each ``norm(a + b)`` (the sum read elsewhere too, or not) with one ``add_norm``
-    call giving both; returns the (norm's name, pattern) of each."""
+    """Replace each ``norm(a + b)`` (the sum read after the norm too, or not) with one
+    ``add_norm`` call giving both; returns the (norm's name, pattern) of each."""
     fused = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
-        operands = _add_norm_operands(node, root)
+        operands = _add_norm_operands(node, root, order)
         if operands is None:
             continue
         src = node.args[0]
@@ -216,13 +230,35 @@ def _is_norm_after_add(module: nn.Module) -> bool:
     return type(module) in (LayerNorm, RMSNorm) and not _hooked(module)
 
 
+def _straight_line(module: nn.Module) -> bool:
+    """Whether the module's forward takes its arguments without defaults or ``*args``/``**kwargs``
+    and has no branch, loop, ``with`` or ``try`` in its body: code a trace records whole. (A
+    trace bakes in the branches taken with default arguments and drops ``torch.no_grad()`` and
+    other context managers; transformer blocks often have both.)"""
+    forward = type(module).forward
+    try:
+        signature = inspect.signature(forward)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for param in list(signature.parameters.values())[1:]:
+        if param.default is not param.empty or param.kind not in positional:
+            return False
+    control = (ast.If, ast.IfExp, ast.For, ast.While, ast.With, ast.Try, ast.Match, ast.comprehension)
+    return not any(isinstance(n, control) for n in ast.walk(tree.body[0]))
+
+
 def _own_module(module: nn.Module) -> bool:
-    """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm,
-    a layer norm or an RMS norm of tritondnn's among its direct children."""
+    """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm
+    of tritondnn's among its direct children, or a layer norm or an RMS norm and a forward of
+    straight-line code."""
     cls = type(module)
     if cls.__module__.startswith(("torch.", f"{__package__}.")):
         return False
-    return any(relu_fusable_batch_norm(c) or _is_norm_after_add(c) for c in module.children())
+    if any(relu_fusable_batch_norm(c) for c in module.children()):
+        return True
+    return any(_is_norm_after_add(c) for c in module.children()) and _straight_line(module)
 
 
 def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
@@ -259,7 +295,9 @@ def fuse_norms(
         if graph is None:
             skipped.append((name, type(module).__name__, why))
             continue
-        sites = _rewrite(graph, module) + _rewrite_add_norm(graph, module)
+        sites = _rewrite(graph, module)
+        if _straight_line(module):
+            sites += _rewrite_add_norm(graph, module)
         if not sites:
             continue
         # The GraphModule holds the same child modules (not copies); the forward it compiled

@@ -677,8 +677,10 @@ def add_layer_norm(
     """``layer_norm(input + residual)`` in one pass. Returns ``(normalized, input + residual)``:
     the sum, rounded to the input dtype, is the next block's residual in pre-norm transformers.
     ``residual`` has input's shape, in input's dtype or a narrower float one (a bf16 branch's
-    output onto an fp32 residual stream, as under autocast): the sum is formed in fp32, as
-    PyTorch's type promotion would, and its gradient reaches ``residual`` in residual's dtype."""
+    output onto an fp32 residual stream, as autocast leaves them): the sum is formed in fp32, as
+    PyTorch's type promotion would, and its gradient reaches ``residual`` in residual's dtype.
+    Autocast does not cast the arguments (the sum keeps input's dtype): under CUDA autocast,
+    where PyTorch's layer norm runs in fp32, pass an fp32 input to match it."""
     return _norm("tdnn.add_layer_norm", input, residual, normalized_shape, weight, bias, eps, False, None)
 
 

@@ -93,3 +93,11 @@ def unravel4(idx, size1, size2, size3):
 def offset4(i0, i1, i2, i3, s0, s1, s2, s3):
     """Memory offset of the coordinates from ``unravel4`` in a tensor with strides s0..s3."""
     return i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+
+
+def empty_aligned_rows(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """An uninitialized rows x cols matrix of ``like``'s dtype and device, row-major, its rows
+    starting on 16-byte boundaries (the row stride rounded up; the padding is never read): the
+    layout tensor descriptors (TMA) read without a copy."""
+    align = max(1, 16 // like.element_size())
+    return like.new_empty(rows, -(-cols // align) * align)[:, :cols]

@@ -31,6 +31,7 @@ from ..core.engine import Engine, Family, LaunchConfig, Problem
 from ..core.launcher import cdiv, launcher
 from ..core.library import custom_op
 from ..core.numerics import convert, online_exp_sum
+from ..core.strides import empty_aligned_rows
 from .softmax import log_softmax
 
 OP = "tdnn.cross_entropy"
@@ -380,10 +381,9 @@ def _gradient_like(x: torch.Tensor) -> torch.Tensor:
     descriptors read 16-byte-aligned rows: written so, it is not copied again to the aligned
     layout (a copy the logits' size, 0.95 ms of GPT-2 small's training step on an H200)."""
     n_rows, n_cols = x.shape
-    align = 16 // x.element_size()
-    if x.stride(1) != 1 or n_rows < 2 or n_cols % align == 0:
+    if x.stride(1) != 1 or n_rows < 2 or (n_cols * x.element_size()) % 16 == 0:
         return torch.empty_like(x)
-    return x.new_empty(n_rows, -(-n_cols // align) * align)[:, :n_cols]
+    return empty_aligned_rows(x, n_rows, n_cols)
 
 
 @custom_op(

@@ -24,7 +24,7 @@ from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import cdiv, ensure_allocator, launcher
-from ...core.strides import broadcast_shapes, collapse
+from ...core.strides import broadcast_shapes, collapse, empty_aligned_rows
 from ..transform import transform_tensor
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
 from .tma import _persistent_kernel
@@ -732,15 +732,14 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor | None:
 def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     """A copy of the matrix ``x`` with the strides of ``_repacked_strides`` (the padding is never read)."""
     rows, cols = x.shape
-    align = 16 // x.element_size()
     if how == "k-major":
         if x.stride(0) == 1 and x.stride(1) != 1:
             x = _row_major(x)  # a transpose at the copy rate
             if (cols * x.element_size()) % 16 == 0:
                 return x
-        out = x.new_empty(rows, cdiv(cols, align) * align)[:, :cols]
+        out = empty_aligned_rows(x, rows, cols)
     else:
-        out = x.new_empty(cols, cdiv(rows, align) * align)[:, :rows].t()
+        out = empty_aligned_rows(x, cols, rows).t()
     return out.copy_(x)
 
 

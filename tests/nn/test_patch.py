@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -395,7 +397,8 @@ def test_restored_training_state_trains_as_a_fresh_one(optimizer):
 def test_graphed_training_step_replays_eager_training(optimizer):
     """A patched model's whole training step (forward, backward, optimizer) captured by
     ``graphed_training_step`` and replayed on new batches trains as the eager step does from
-    the same weights."""
+    the same weights. The replay keeps the optimizer (whose state the graph updates in place)
+    alive when the caller keeps no reference to it, through an ``empty_cache``."""
     from tritondnn.bench.models import graphed_training_step, training_step
 
     torch.manual_seed(0)
@@ -403,7 +406,13 @@ def test_graphed_training_step_replays_eager_training(optimizer):
     tnn.patch(model)
     eager = copy.deepcopy(model)
     first, *rest = _batches(4)
-    step = graphed_training_step(model, OPTIMIZERS[optimizer](model), False, *first)
+    opt = OPTIMIZERS[optimizer](model)
+    opt_alive = weakref.ref(opt)
+    step = graphed_training_step(model, opt, False, *first)
+    del opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert opt_alive() is not None
     eager_step = training_step(eager, OPTIMIZERS[optimizer](eager), low_precision=False)
     for x, target in rest:
         torch.testing.assert_close(step(x, target), eager_step(x, target))

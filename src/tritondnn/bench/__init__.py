@@ -106,10 +106,26 @@ def compiled(fn: Callable, *args: object) -> Callable[[], object] | None:
     return functools.partial(torch.compile(fn), *args)
 
 
-def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+class CapturedCall:
+    """A call captured in a CUDA graph (``capture``); calling it replays the graph and returns
+    what the captured call returned, which each replay rewrites in place.
+
+    It holds the captured function, and so everything that function holds: a graph reads and
+    writes memory by address, and a model's parameters, an optimizer's state or an input that only
+    the function referenced would otherwise be freed under it (after PyTorch's ``empty_cache``,
+    a replay then faults with an illegal memory access)."""
+
+    def __init__(self, fn: Callable[[], object], graph: torch.cuda.CUDAGraph, out: object) -> None:
+        self.fn, self.graph, self.out = fn, graph, out
+
+    def __call__(self) -> object:
+        self.graph.replay()
+        return self.out
+
+
+def capture(fn: Callable[[], object], warmup: int = 3) -> CapturedCall:
     """``fn`` called ``warmup`` times on a side stream (compiles, plans and allocator pools made
-    off the capture), then captured in a CUDA graph: (the graph, what the captured call returned,
-    which the graph's replays rewrite in place)."""
+    off the capture), then captured in a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -119,21 +135,20 @@ def capture(fn: Callable[[], object], warmup: int = 3) -> tuple[torch.cuda.CUDAG
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    return graph, out
+    return CapturedCall(fn, graph, out)
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
+def graphed(fn: Callable[[], object]) -> CapturedCall | None:
     """``fn`` captured in a CUDA graph, as its replay: the device work of a call with no host work
     per call (what a training step captured in a graph runs). None under the interpreter, or
     where ``fn`` cannot be captured (the failure is printed)."""
     if INTERPRET:
         return None
     try:
-        graph, _ = capture(fn)
+        return capture(fn)
     except RuntimeError as exc:
         print(f"  (not captured in a CUDA graph: {type(exc).__name__}: {str(exc)[:200]})")
         return None
-    return graph.replay
 
 
 def _time(case: Case, fn: Callable[[], object]) -> float:

@@ -254,14 +254,13 @@ def graphed_training_step(
     restore = training_state_restorer(model, opt)
     step = training_step(model, opt, low_precision, tdnn_loss)
     static_x, static_target = x.clone(), target.clone()
-    graph, static_loss = capture(lambda: step(static_x, static_target), warmup)
+    captured = capture(lambda: step(static_x, static_target), warmup)  # holds model and opt
     restore()
 
     def replay(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         static_x.copy_(x)
         static_target.copy_(target)
-        graph.replay()
-        return static_loss.clone()
+        return captured().clone()
 
     return replay
 

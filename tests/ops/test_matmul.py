@@ -1071,6 +1071,24 @@ def test_torch_compile_fullgraph():
         assert_close(g, g_ref)
 
 
+def test_torch_compile_gradients_with_unaligned_rows():
+    """Under torch.compile the output gradient of a product with unaligned rows (7 fp32 columns:
+    28 bytes) reaches the backward pass contiguous; both products then read one 16-byte-aligned
+    copy of it (the row-padded layout and its transpose)."""
+
+    def f(x, w):
+        return (mm.linear(x, w) * torch.arange(7.0)).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    inputs = [randn(2, 5, 8), randn(7, 8)]
+    leaves = [t.requires_grad_(True) for t in inputs]
+    ours = torch.autograd.grad(compiled(*leaves), leaves)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = (F.linear(*leaves64) * torch.arange(7.0, dtype=torch.float64, device=DEVICE)).sum()
+    for g, g_ref in zip(ours, torch.autograd.grad(ref, leaves64)):
+        assert_close(g, g_ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(

@@ -199,6 +199,13 @@ class _MatmulFunction(torch.autograd.Function):
         da = db = dc = dres = None
         if need_a or need_b:
             d = dpre if dpre.dtype == a.dtype else dpre.to(a.dtype)
+            # One 16-byte-aligned copy for both products where the rows are not (logits over a
+            # vocabulary), as in _Backward: each product would repack its own. Under torch.compile
+            # it matters most: dynamo hands an autograd.Function's backward contiguous gradients,
+            # so the loss's aligned gradient rows arrive here unaligned, and inductor fuses its
+            # contiguous copy into this one.
+            padded = padded_rows(d) if need_a and need_b else None
+            d = d if padded is None else padded
             none = (None,) * 3
             da_dtype, db_dtype = grad_dtypes or (a.dtype, b.dtype)
             if need_a:

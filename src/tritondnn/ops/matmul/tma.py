@@ -42,18 +42,11 @@ def _persistent_kernel(
     during this tile's epilogue. SUBTILE: the epilogue runs on the tile's two column halves in
     turn, so the first half's store is under way while the second is computed.
     """
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [sa_m, 1], [BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
     OUT_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
-    out_desc = out_ptr
-    if OUT_DESC:
-        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, OUT_N])
+    a_desc, b_desc, out_desc = _descriptors(
+        a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
+        A_T, B_T, OUT_DESC, BLOCK_M, BLOCK_N, BLOCK_K, OUT_N,
+    )  # fmt: skip
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -64,18 +57,10 @@ def _persistent_kernel(
         pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-        for kt in range(k_tiles):
-            off_k = kt * BLOCK_K
-            if A_T:
-                a = a_desc.load([off_k, off_m]).T
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_T:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            acc = dot(a, b, acc, PRECISION, False)
+        acc = _k_steps(
+            a_desc, b_desc, off_m, off_n, 0, k_tiles, tl.zeros((BLOCK_M, BLOCK_N), ACC), PRECISION, A_T, B_T,
+            BLOCK_K,
+        )  # fmt: skip
         tile_done += programs
         pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -121,17 +106,10 @@ def _stream_k_kernel(
     tile's counter; the last to arrive adds the tile's partials in slot order (the same bits
     whoever arrives last) and runs the epilogue. No program waits for another.
     """
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [sa_m, 1], [BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
-    out_desc = out_ptr
-    if OUT_DESC:
-        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, BLOCK_N])
+    a_desc, b_desc, out_desc = _descriptors(
+        a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
+        A_T, B_T, OUT_DESC, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N,
+    )  # fmt: skip
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -179,6 +157,28 @@ def _stream_k_kernel(
                 sr_n, s_bias, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, BLOCK_N,
             )  # fmt: skip
         it += k1 - k0
+
+
+@triton.jit
+def _descriptors(
+    a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
+    A_T: tl.constexpr, B_T: tl.constexpr, OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_N: tl.constexpr,
+):  # fmt: skip
+    """The tensor descriptors of A and B (each over its stored matrix: K x M for A_T, N x K for
+    B_T) and of the output (its pointer where not OUT_DESC), blocks of OUT_N output columns."""
+    if A_T:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [sa_m, 1], [BLOCK_M, BLOCK_K])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
+    out_desc = out_ptr
+    if OUT_DESC:
+        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, OUT_N])
+    return a_desc, b_desc, out_desc
 
 
 @triton.jit

@@ -552,12 +552,15 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         ordered = self._ordered(problem, tiles, plain)
         lead = _medium_lead(problem)
         ordered = ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
-        # Stream-K where the two biggest tiles leave the last wave part-empty: offered after the
-        # measured picks (benchmark mode times them), not yet measured against them.
+        # Stream-K in the two biggest tile shapes, where they leave the last wave mostly idle:
+        # offered after the measured picks (benchmark mode times them), not yet measured against them.
+        by_shape: dict[tuple[int, int], LaunchConfig] = {}
+        for c in sorted(tiles, key=lambda c: -c["BLOCK_M"] * c["BLOCK_N"]):
+            by_shape.setdefault((c["BLOCK_M"], c["BLOCK_N"]), c)
         stream_k = [
             {**c, "FLATTEN": False, "SUBTILE": False, "STREAM_K": True}
-            for c in tiles[:2]
-            if _tiles(problem, c) % sm_count()
+            for c in list(by_shape.values())[:2]
+            if _wave_util(_tiles(problem, c)) < 0.9
         ]
         return ordered + stream_k
 
@@ -602,6 +605,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         # the tiled kernel.
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
         plain = {**config, "FLATTEN": False}
+        plain.pop("STREAM_K", None)  # a stream-K config falls back to the persistent kernel
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
         if repack_a:

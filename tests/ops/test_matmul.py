@@ -350,11 +350,12 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
     assert engine.not_supported_reasons(lay.problem)  # fp32 without TF32 is declined: bound directly
     ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
     first = engine.configs(lay.problem)[0]
-    # The paired variant: two programs per SM, the output stored through pointers; the epilogue
-    # over column halves, stored through a descriptor and through pointers.
+    # The paired variant: two programs per SM, the output stored through pointers, its epilogue
+    # whole and over column halves; the epilogue over column halves, stored through a descriptor
+    # and through pointers.
     paired = {**first, "CTAS": 2, "STORE_DESC": False, "FLATTEN": True}
     halves = [{**first, "SUBTILE": True}, {**first, "SUBTILE": True, "STORE_DESC": False}]
-    for config in [*engine.configs(lay.problem)[:2], paired, *halves]:
+    for config in [*engine.configs(lay.problem)[:2], paired, {**paired, "SUBTILE": True}, *halves]:
         config = {**config, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
         out, pre, _, args = _launch_args(
             lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params

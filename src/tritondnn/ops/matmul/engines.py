@@ -595,7 +595,11 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
             # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
             # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
-            return [_PAIRED, *flattened, *plain]
+            # Also offered (benchmark mode; not measured yet): the paired tiles with the epilogue
+            # over column halves. A GELU-tanh epilogue storing its pre-activation (GPT-2's first
+            # MLP layer) made ptxas spill 600 bytes a thread in the paired kernel (sm_90, Triton
+            # 3.6), 44 in halves; 2.4 KB in 128x256 tiles, none in halves.
+            return [_PAIRED, {**_PAIRED, "SUBTILE": True}, *flattened, *plain]
         return flattened + plain
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:

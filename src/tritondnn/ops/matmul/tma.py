@@ -146,14 +146,12 @@ def _stream_k_kernel(
             tile_ws = ws_ptr + shared * slots * tile_elems
             tl.store(tile_ws + (pid - first) * tile_elems + at, acc)
             whole = last_arrival(counter_ptr + shared, parts)
-            if whole:  # its own part from registers, the others' loaded: the same sum, in order
-                total = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+            if whole:
+                # Every part loaded, its own too: keeping its own in registers beside the running
+                # sum (for the same order) made ptxas spill at 128x256 and 128x128 (sm_90).
+                acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
                 for part in range(parts):
-                    if part == pid - first:
-                        total += acc
-                    else:
-                        total += tl.load(tile_ws + part * tile_elems + at, cache_modifier=".cg")
-                acc = total
+                    acc += tl.load(tile_ws + part * tile_elems + at, cache_modifier=".cg")
         if whole:
             _finish(
                 acc, pid_m * BLOCK_M, pid_n * BLOCK_N, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr,

@@ -769,30 +769,35 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     return y[0, :, :, 0].t()
 
 
-def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
-    """The persistent TMA kernel for ``p`` with ``config`` (see ``PersistentTmaEngine.configs``)."""
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
-    # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
-    programs = min(config.get("CTAS", 1) * sm_count(), cdiv(p.m, bm) * cdiv(p.n, bn))
+def _tma_arguments(p: MatmulProblem, config: LaunchConfig, programs: int) -> tuple[tuple, tuple]:
+    """(ints, constexprs) the persistent and stream-K kernels share, in their parameter order."""
     so_m, so_n = p.out_strides[2:]
     out_desc = config.get("STORE_DESC", True) and so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
     c_strides = (p.c_strides or (0,) * 4)[2:]
     r_strides = (p.residual_strides or (0,) * 4)[2:]
     a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
+    ints = (p.m, p.n, p.k, *p.a_strides[2:], *p.b_strides[2:], so_m, so_n, *c_strides, *r_strides,
+            p.bias_stride, programs)  # fmt: skip
+    constexprs = (*_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc,
+                  config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"])  # fmt: skip
+    return ints, constexprs
+
+
+def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+    """The persistent TMA kernel for ``p`` with ``config`` (see ``PersistentTmaEngine.configs``)."""
+    # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
+    # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
+    programs = min(config.get("CTAS", 1) * sm_count(), _tiles(p, config))
+    ints, constexprs = _tma_arguments(p, config, programs)
     return launcher(
         _persistent_kernel,
         (programs,),
         num_tensors=10,
-        ints=(p.m, p.n, p.k, *p.a_strides[2:], *p.b_strides[2:], so_m, so_n, *c_strides, *r_strides,
-              p.bias_stride, programs),
-        constexprs=(
-            *_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc, bm, bn, config["BLOCK_K"],
-            config["GROUP_M"], config["FLATTEN"], config.get("SUBTILE", False),
-        ),
+        ints=ints,
+        constexprs=(*constexprs, config["FLATTEN"], config.get("SUBTILE", False)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-    )  # fmt: skip
+    )
 
 
 def stream_k_schedule(tiles: int, k_steps: int, programs: int) -> tuple[int, int, int]:
@@ -808,26 +813,20 @@ def stream_k_schedule(tiles: int, k_steps: int, programs: int) -> tuple[int, int
 def _stream_k_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
     """The stream-K variant of the persistent kernel for ``p`` (``_stream_k_kernel``): one program
     an SM, its fp32 partial sums in a workspace allocated each call."""
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    tiles, k_steps = cdiv(p.m, bm) * cdiv(p.n, bn), cdiv(p.k, bk)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    tiles, k_steps = _tiles(p, config), cdiv(p.k, config["BLOCK_K"])
     programs = min(sm_count(), tiles * k_steps)
     whole, span, slots = stream_k_schedule(tiles, k_steps, programs)
-    so_m, so_n = p.out_strides[2:]
-    out_desc = config.get("STORE_DESC", True) and so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
-    c_strides = (p.c_strides or (0,) * 4)[2:]
-    r_strides = (p.residual_strides or (0,) * 4)[2:]
-    a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
+    ints, constexprs = _tma_arguments(p, config, programs)
     launch = launcher(
         _stream_k_kernel,
         (programs,),
         num_tensors=12,
-        ints=(p.m, p.n, p.k, *p.a_strides[2:], *p.b_strides[2:], so_m, so_n, *c_strides, *r_strides,
-              p.bias_stride, programs, whole, span, slots),
-        constexprs=(*_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc, bm, bn, bk,
-                    config["GROUP_M"]),
+        ints=(*ints, whole, span, slots),
+        constexprs=constexprs,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-    )  # fmt: skip
+    )
     shared = tiles - whole
     counters = arrival_counters(shared)
 

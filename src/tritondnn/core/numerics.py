@@ -147,13 +147,19 @@ def normal_cdf(x):
 
 @triton.jit
 def sigmoid(x):
-    """1 / (1 + exp(-x)); exact limits 0 and 1, no overflow warning paths. fp32 takes the
-    reciprocal instruction (about 1 ulp) instead of the IEEE division's dozen: a fused
-    GroupNorm + SiLU over bf16 is otherwise bound by the division's issue slots."""
-    if x.dtype == tl.float32:
-        return reciprocal_ftz(1.0 + tl.exp(-x))
+    """1 / (1 + exp(-x)); exact limits 0 and 1, no overflow warning paths."""
+    return one_over_one_plus(tl.exp(-x))
+
+
+@triton.jit
+def one_over_one_plus(e):
+    """1 / (1 + e). fp32 takes the reciprocal instruction (about 1 ulp) instead of the IEEE
+    division's dozen: a fused GroupNorm + SiLU over bf16 is otherwise bound by the division's
+    issue slots."""
+    if e.dtype == tl.float32:
+        return reciprocal_ftz(1.0 + e)
     else:
-        return 1.0 / (1.0 + tl.exp(-x))
+        return 1.0 / (1.0 + e)
 
 
 @triton.jit

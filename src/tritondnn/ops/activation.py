@@ -97,6 +97,9 @@ def activation_backward_reference(
 # 2. Kernels.
 
 
+_GELU_2K = tl.constexpr(1.5957691216057308)  # 2 sqrt(2 / pi)
+
+
 @triton.jit
 def activation_value(x, KIND: tl.constexpr, p0, p1):
     """y = act(x) elementwise, in x's (fp32 or fp64) arithmetic type."""
@@ -112,8 +115,9 @@ def activation_value(x, KIND: tl.constexpr, p0, p1):
     elif KIND == 4:
         y = x * numerics.normal_cdf(x)[0]
     elif KIND == 5:
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = 0.5 * x * (1.0 + numerics.tanh(inner))
+        # 0.5 x (1 + tanh(u)) is x * sigmoid(2u): an exponential and a reciprocal, where tanh's
+        # exact form costs a division and a polynomial too (the matmul's GELU epilogue spilled).
+        y = x * numerics.sigmoid(_GELU_2K * (x + 0.044715 * x * x * x))
     elif KIND == 6:
         y = x * numerics.sigmoid(p0 * x)
     else:
@@ -143,9 +147,11 @@ def activation_gradient(dy, s, KIND: tl.constexpr, SAVED_OUTPUT: tl.constexpr, p
         cdf, kernel = numerics.normal_cdf(s)
         g = cdf + s * (kernel * 0.3989422804014327)
     elif KIND == 5:
-        k = 0.7978845608028654
-        t = numerics.tanh(k * (s + 0.044715 * s * s * s))
-        g = 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * k * (1.0 + 0.134145 * s * s)
+        # With t = tanh(u) = 2r - 1, r = sigmoid(2u) = 1 / (1 + e), e = exp(-2u): 0.5 (1 + t) = r
+        # and 0.5 (1 - t^2) = 2 r (1 - r), where 1 - r = e r (1 where e overflowed: inf * 0).
+        e = tl.exp(-_GELU_2K * (s + 0.044715 * s * s * s))
+        r = numerics.one_over_one_plus(e)
+        g = r + _GELU_2K * s * r * tl.where(r > 0, e * r, 1.0) * (1.0 + 0.134145 * s * s)
     elif KIND == 6:
         sg = numerics.sigmoid(p0 * s)
         g = sg * (1.0 + p0 * s * (1.0 - sg))

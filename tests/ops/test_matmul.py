@@ -365,72 +365,6 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
         assert_close(pre, ref_pre, what=f"tma {config}")
 
 
-@pytest.mark.parametrize("sms", [2, 4, 16, 64])
-@pytest.mark.parametrize("a_t", [False, True])
-def test_stream_k_kernel(sms, a_t, poison, monkeypatch):
-    """The stream-K variant of the Hopper kernel on ``sms`` SMs, 9 tiles of 7 K steps: whole tiles
-    first and the rest shared (2, 4 SMs), every tile shared (16), one K step a program (64, 63
-    programs); with the epilogue, bound directly as above (no fallback to the tiled kernel). The
-    same bits on a second run (on a GPU, where the programs race to arrive last; the interpreter
-    runs them in order)."""
-    m, n, k = 40, 72, 100
-    a = randn(k, m).mT if a_t else randn(m, k)
-    b = randn(k, n)
-    epi = Epilogue(bias="col", activation="gelu", residual=True, store_preactivation=True)
-    extra = _epilogue_inputs(epi, m, n, torch.float32)
-    lay = mm_engines.layout(
-        a, b, None, extra["bias"], extra["residual"], out_dtype=torch.float32, bias_kind=1,
-        activation=epi.activation_kind, store_pre=True, scaled=False, amax=False,
-    )  # fmt: skip
-    monkeypatch.setattr(mm_engines, "sm_count", lambda: sms)
-
-    def no_fallback(*_):
-        raise AssertionError("fell back to the tiled kernel")
-
-    monkeypatch.setattr(mm_engines.TiledEngine, "bind", lambda self, p, c: no_fallback)
-    tiles, steps = 9, 7
-    whole, span, slots = mm_engines.stream_k_schedule(tiles, steps, min(sms, tiles * steps))
-    assert (whole, span) == {2: (6, 11), 4: (4, 9), 16: (0, 4), 64: (0, 1)}[sms] and slots >= 2
-    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
-    config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
-    config = {**config, "FLATTEN": False, "STREAM_K": True}
-    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
-    results = []
-    for _ in range(2):
-        out, pre, _, args = _launch_args(
-            lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
-        )
-        engine.bind(lay.problem, config)(*args)
-        results.append(out)
-        assert_close(out, ref, what=f"stream-K on {sms} SMs")
-        assert_close(pre, ref_pre, what=f"stream-K on {sms} SMs, pre-activation")
-    assert torch.equal(*results)
-
-
-def test_stream_k_configs_where_the_last_wave_is_part_empty(monkeypatch):
-    """On 132 SMs (H100, H200), 16-bit products whose big tiles leave the last wave part-empty
-    also get stream-K configs, after the measured ones; products in whole waves do not."""
-    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
-    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
-
-    def stream_k(m, n, k):
-        a = torch.empty(m, k, device="meta", dtype=torch.bfloat16)
-        b = torch.empty(k, n, device="meta", dtype=torch.bfloat16)
-        problem = mm_engines.layout(
-            a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
-            scaled=False, amax=False,
-        ).problem  # fmt: skip
-        configs = engine.configs(problem)
-        flags = [bool(c.get("STREAM_K")) for c in configs]
-        assert flags == sorted(flags), "stream-K configs come last"
-        return [(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c.get("STREAM_K")]
-
-    assert (128, 256) in stream_k(768, 3072, 8192)  # GPT-2's MLP weight gradient: 72 such tiles
-    assert (128, 256) in stream_k(768, 768, 8192)  # its projection's: 18
-    assert (128, 256) in stream_k(8192, 768, 768)  # the projection: 192 tiles of 128x256
-    assert stream_k(128 * 132, 256, 1024) == []  # 132 128x256 tiles, 264 of 128x128
-
-
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
@@ -557,6 +491,28 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
         "too short to split"
         in mm_engines.SplitKEngine().not_supported_reasons(_meta_problem(4096, 512, 128))[0]
     )
+
+
+def test_activation_epilogues_of_short_reductions_lead_over_column_halves(monkeypatch):
+    """Many 128x128 tiles over a short K with an activation (GPT-2 small's first MLP layer storing
+    its pre-activation): the paired tiles with their epilogue over column halves go first, then
+    whole; a residual alone keeps the whole epilogue first."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    x = torch.empty(8192, 768, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(3072, 768, device="meta", dtype=torch.bfloat16)
+
+    def first_two(**epilogue):
+        problem = mm_engines.layout(
+            x, w.t(), None, None, epilogue.get("residual"), out_dtype=torch.bfloat16, bias_kind=0,
+            activation=epilogue.get("activation", -1), store_pre=epilogue.get("activation", -1) >= 0,
+            scaled=False, amax=False,
+        ).problem  # fmt: skip
+        return mm_engines.PersistentTmaEngine().configs(problem)[:2]
+
+    halves = {**mm_engines._PAIRED, "SUBTILE": True}
+    assert first_two(activation=5) == [halves, mm_engines._PAIRED]
+    residual = torch.empty(8192, 3072, device="meta", dtype=torch.bfloat16)
+    assert first_two(residual=residual) == [mm_engines._PAIRED, halves]
 
 
 def test_long_reductions_rank_tiles_by_their_rate(monkeypatch):

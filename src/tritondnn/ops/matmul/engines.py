@@ -20,7 +20,6 @@ from collections.abc import Callable
 import torch
 import triton.language as tl
 
-from ...core.arrival import arrival_counters
 from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
@@ -28,7 +27,7 @@ from ...core.launcher import cdiv, ensure_allocator, launcher
 from ...core.strides import broadcast_shapes, collapse, empty_aligned_rows
 from ..transform import transform_tensor
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
-from .tma import _persistent_kernel, _stream_k_kernel
+from .tma import _persistent_kernel
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, *FP8_DTYPES)
@@ -551,18 +550,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             return plain
         ordered = self._ordered(problem, tiles, plain)
         lead = _medium_lead(problem)
-        ordered = ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
-        # Stream-K in the two biggest tile shapes, where they leave the last wave mostly idle:
-        # offered after the measured picks (benchmark mode times them), not yet measured against them.
-        by_shape: dict[tuple[int, int], LaunchConfig] = {}
-        for c in sorted(tiles, key=lambda c: -c["BLOCK_M"] * c["BLOCK_N"]):
-            by_shape.setdefault((c["BLOCK_M"], c["BLOCK_N"]), c)
-        stream_k = [
-            {**c, "FLATTEN": False, "SUBTILE": False, "STREAM_K": True}
-            for c in list(by_shape.values())[:2]
-            if _wave_util(_tiles(problem, c)) < 0.9
-        ]
-        return ordered + stream_k
+        return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
 
     # No warp-specialized configs (Triton's producer/consumer split of the tile loop): on an H200
     # (Triton 3.6) the 1024 < K <= 4096 products they led (the data gradients of GPT-2 small's qkv
@@ -595,11 +583,13 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             # per SM overlap one's epilogue with the other's MMAs. Measured on H100 (8192 x 4096,
             # K = 1024, bf16): bias + gelu 162.8 -> 143.9 us, residual 143.2 -> 131.4 us,
             # bias + silu even (124.4 / 125.7 us); bias alone 108.9 -> 112.8 us, so not there.
-            # Also offered (benchmark mode; not measured yet): the paired tiles with the epilogue
-            # over column halves. A GELU-tanh epilogue storing its pre-activation (GPT-2's first
-            # MLP layer) made ptxas spill 600 bytes a thread in the paired kernel (sm_90, Triton
-            # 3.6), 44 in halves; 2.4 KB in 128x256 tiles, none in halves.
-            return [_PAIRED, {**_PAIRED, "SUBTILE": True}, *flattened, *plain]
+            # An activation's epilogue runs over column halves: GELU-tanh storing its
+            # pre-activation (GPT-2 small's first MLP layer, 8192 x 3072, K = 768, bf16) took
+            # 170.9 us whole, 109.9 in halves on an H200 (with tanh's exact form; ptxas spilled
+            # 2.6 KB a thread whole, 36 bytes in halves; with the sigmoid form 220 and none).
+            halves = {**_PAIRED, "SUBTILE": True}
+            paired = [halves, _PAIRED] if p.activation >= 0 else [_PAIRED, halves]
+            return [*paired, *flattened, *plain]
         return flattened + plain
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
@@ -609,7 +599,6 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         # the tiled kernel.
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
         plain = {**config, "FLATTEN": False}
-        plain.pop("STREAM_K", None)  # a stream-K config falls back to the persistent kernel
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
         if repack_a:
@@ -617,8 +606,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         if repack_b:
             n_stride, k_stride = _repacked_strides(p.n, p.k, repack_b, p.dtypes[1])
             p = dataclasses.replace(p, b_strides=(0, 0, k_stride, n_stride))
-        bound = lambda c: (_stream_k_launch if c.get("STREAM_K") else _persistent_launch)(p, c)
-        attempts = [(f"the {self.name} kernel with {c}", bound(c)) for c in configs]
+        attempts = [(f"the {self.name} kernel with {c}", _persistent_launch(p, c)) for c in configs]
         attempts.append(("the tiled kernel", tiled))
         launch = None
 
@@ -770,7 +758,7 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tma_arguments(p: MatmulProblem, config: LaunchConfig, programs: int) -> tuple[tuple, tuple]:
-    """(ints, constexprs) the persistent and stream-K kernels share, in their parameter order."""
+    """(ints, constexprs) of the persistent kernel, in its parameter order (constexprs up to GROUP_M)."""
     so_m, so_n = p.out_strides[2:]
     out_desc = config.get("STORE_DESC", True) and so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
     c_strides = (p.c_strides or (0,) * 4)[2:]
@@ -798,43 +786,6 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
-
-
-def stream_k_schedule(tiles: int, k_steps: int, programs: int) -> tuple[int, int, int]:
-    """(tiles done whole first, K steps a program in the rest, partial-sum slots a tile) for
-    ``_stream_k_kernel``: all full waves but the last go whole; the last full wave and the partial
-    one after it are shared out evenly (a wave's worth of whole tiles left in the shared part lets
-    its split tiles' partial sums be few and large)."""
-    whole = max(0, tiles // programs - 1) * programs
-    span = cdiv((tiles - whole) * k_steps, programs)
-    return whole, span, (k_steps - 1) // span + 2
-
-
-def _stream_k_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
-    """The stream-K variant of the persistent kernel for ``p`` (``_stream_k_kernel``): one program
-    an SM, its fp32 partial sums in a workspace allocated each call."""
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    tiles, k_steps = _tiles(p, config), cdiv(p.k, config["BLOCK_K"])
-    programs = min(sm_count(), tiles * k_steps)
-    whole, span, slots = stream_k_schedule(tiles, k_steps, programs)
-    ints, constexprs = _tma_arguments(p, config, programs)
-    launch = launcher(
-        _stream_k_kernel,
-        (programs,),
-        num_tensors=12,
-        ints=(*ints, whole, span, slots),
-        constexprs=constexprs,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
-    )
-    shared = tiles - whole
-    counters = arrival_counters(shared)
-
-    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
-        ws = torch.empty(shared * slots * bm * bn, dtype=torch.float32, device=out.device)
-        launch(a, b, out, *rest[:7], ws, counters(out), *rest[7:])
-
-    return run
 
 
 def _split_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:

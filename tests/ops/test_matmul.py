@@ -1100,7 +1100,7 @@ def test_torch_compile_gradients_with_unaligned_rows():
     copy of it (the row-padded layout and its transpose)."""
 
     def f(x, w):
-        return (mm.linear(x, w) * torch.arange(7.0)).sum()
+        return (mm.linear(x, w) * torch.arange(7.0, device=DEVICE)).sum()
 
     compiled = torch.compile(f, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
     inputs = [randn(2, 5, 8), randn(7, 8)]

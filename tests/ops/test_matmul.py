@@ -365,6 +365,48 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
         assert_close(pre, ref_pre, what=f"tma {config}")
 
 
+@pytest.mark.parametrize("sms", [2, 4, 16, 64])
+@pytest.mark.parametrize("a_t", [False, True])
+def test_stream_k_kernel(sms, a_t, poison, monkeypatch):
+    """The stream-K variant of the Hopper kernel on ``sms`` SMs, 9 tiles of 7 K steps: whole tiles
+    first and the rest shared (2, 4 SMs), every tile shared (16), one K step a program (64, 63
+    programs); with the epilogue, bound directly as above (no fallback to the tiled kernel). The
+    same bits on a second run (on a GPU, where the programs race to arrive last; the interpreter
+    runs them in order)."""
+    m, n, k = 40, 72, 100
+    a = randn(k, m).mT if a_t else randn(m, k)
+    b = randn(k, n)
+    epi = Epilogue(bias="col", activation="gelu", residual=True, store_preactivation=True)
+    extra = _epilogue_inputs(epi, m, n, torch.float32)
+    lay = mm_engines.layout(
+        a, b, None, extra["bias"], extra["residual"], out_dtype=torch.float32, bias_kind=1,
+        activation=epi.activation_kind, store_pre=True, scaled=False, amax=False,
+    )  # fmt: skip
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: sms)
+
+    def no_fallback(*_):
+        raise AssertionError("fell back to the tiled kernel")
+
+    monkeypatch.setattr(mm_engines.TiledEngine, "bind", lambda self, p, c: no_fallback)
+    tiles, steps = 9, 7
+    whole, span, slots = mm_engines.stream_k_schedule(tiles, steps, min(sms, tiles * steps))
+    assert (whole, span) == {2: (6, 11), 4: (4, 9), 16: (0, 4), 64: (0, 1)}[sms] and slots >= 2
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
+    config = {**config, "FLATTEN": False, "STREAM_K": True}
+    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+    results = []
+    for _ in range(2):
+        out, pre, _, args = _launch_args(
+            lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
+        )
+        engine.bind(lay.problem, config)(*args)
+        results.append(out)
+        assert_close(out, ref, what=f"stream-K on {sms} SMs")
+        assert_close(pre, ref_pre, what=f"stream-K on {sms} SMs, pre-activation")
+    assert torch.equal(*results)
+
+
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
@@ -542,8 +584,9 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     """GPT-2 small's products over 8192 tokens as an H100 (132 SMs, descriptors) would pick them,
     against the best each measured (bf16, scratch sweeps): weight gradients over the tokens in
     whole 128x256 or 128x128 tiles (the tiled kernel), 768x768's split in two (split-K priced at
-    small tiles' rates had taken 3072x768's, 125 us against 84); 768 outputs over a K of 2304 or
-    3072 in 128x128 tiles with 4 warps (128x256 tiles' second wave half empty: 63-83 us against
+    small tiles' rates had taken 3072x768's, 125 us against 84), and where 144 128x128 tiles
+    leave the last wave of SMs part-empty, stream-K (H200: 70 us against 80); 768 outputs over a
+    K of 2304 or 3072 in 128x128 tiles with 4 warps (128x256 tiles' second wave half empty: 63-83 us against
     54-71), up to K = 4096 (the LM head's 50257 lost); a K of 768 keeps 128x256."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     monkeypatch.setattr(mm_engines, "hopper", lambda: True)
@@ -565,8 +608,10 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
         c = engine.configs(p)[0]
         return engine.name, c["BLOCK_M"], c["BLOCK_N"], c["num_warps"], c.get("SPLIT", 1)
 
-    assert pick(3072, 768, 8192, True) == pick(768, 3072, 8192, True) == ("tiled", 128, 256, 8, 1)
-    assert pick(2304, 768, 8192, True) == ("tiled", 128, 128, 4, 1)
+    stream_k = ("tma-persistent", 128, 128, 4, 1)  # 144 tiles: the last wave's K loops shared
+    assert pick(3072, 768, 8192, True) == pick(768, 3072, 8192, True) == stream_k
+    assert mm_engines.PersistentTmaEngine().configs(_meta_problem(768, 3072, 8192))[0].get("STREAM_K")
+    assert pick(2304, 768, 8192, True) == ("tiled", 128, 128, 4, 1)  # 108 tiles: no stream-K
     assert pick(768, 768, 8192, True) == ("split-k", 64, 64, 4, 2)
     for k in (2304, 3072):
         assert pick(8192, 768, k, False) == ("tma-persistent", 128, 128, 4, 1)

@@ -311,6 +311,39 @@ def test_eager_training_repeat_calls(case):
                 assert_close(a, b, None, case)
 
 
+@pytest.mark.parametrize("extra", [0, 64], ids=["packed", "wider"])
+def test_eager_training_of_a_packed_qkv(extra):
+    """q, k, v split from one projection's output and viewed as heads (GPT's attention): repeat
+    training calls take the projection's output as the autograd input and write its gradient
+    whole (no concatenation of three); the bits of the general path's gradient (q, k, v inputs,
+    the split's backward concatenating them), near float64's. A projection wider than q, k, v
+    (``extra`` columns unused) keeps separate gradients: its unused columns' are zeros."""
+    width = 64  # 2 heads of 32
+
+    def qkv_views(qkv):
+        return tuple(t.view(2, 37, 2, 32).transpose(1, 2) for t in qkv[..., : 3 * width].split(width, -1))
+
+    att._eager.clear()
+    sdpa(*qkv_views(rand(2, 37, 3 * width + extra).requires_grad_(True)), is_causal=True)
+    for _ in range(2):
+        qkv = rand(2, 37, 3 * width + extra).requires_grad_(True)
+        o = sdpa(*qkv_views(qkv), is_causal=True)
+        packed = type(o.grad_fn).__name__.startswith("_EagerPackedAttention")
+        assert packed == (extra == 0), type(o.grad_fn).__name__
+        do = rand(*o.shape)
+        (fast,) = torch.autograd.grad(o, qkv, do)
+        saved = dict(att._eager)
+        att._eager.clear()
+        (slow,) = torch.autograd.grad(sdpa(*qkv_views(qkv), is_causal=True), qkv, do)
+        att._eager.update(saved)
+        assert torch.equal(fast, slow)
+        wide = qkv.detach().double().requires_grad_(True)
+        ref, _ = sdpa_reference(*qkv_views(wide), is_causal=True)
+        (want,) = torch.autograd.grad(ref, wide, do.double())
+        assert_close(fast, want, None, "packed qkv")
+        assert not fast[..., 3 * width :].any()
+
+
 def test_dropout_replay(poison):
     p, seed, offset = 0.3, 1234, 77
     keep = dropout_keep_mask(1, 2, 37, 45, p, seed, offset)

@@ -509,6 +509,60 @@ class _EagerAttention(torch.autograd.Function):
 _apply_eager = raw_apply(_EagerAttention)
 
 
+class _EagerPackedAttention(torch.autograd.Function):
+    """``_EagerAttention`` for q, k, v that together are one packed tensor (``_packed_base``): the
+    base is the autograd input and its gradient is written whole, dQ, dK and dV in place, where
+    q, k, v as inputs would each take a view's and a transpose's backward and the split's, a
+    concatenation (GPT-2 small, H200: 0.22 ms of a 20 ms training step)."""
+
+    @staticmethod
+    def forward(ctx, base, views, program):
+        o, lse = program[0](*views, None)
+        ctx.save_for_backward(base, o, lse)
+        offset = base.storage_offset()
+        ctx.geometry = [(t.shape, t.stride(), t.storage_offset() - offset) for t in views]
+        ctx.program = program
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return None, None, None
+        base, o, lse = ctx.saved_tensors
+        offset = base.storage_offset()
+        q, k, v = (base.as_strided(shape, stride, offset + at) for shape, stride, at in ctx.geometry)
+        dbase = torch.empty_like(base)
+        grads = tuple(dbase.as_strided(*g) for g in ctx.geometry)
+        ctx.program[1](do, q, k, v, o, lse, grads)
+        return dbase, None, None
+
+
+_apply_eager_packed = raw_apply(_EagerPackedAttention)
+
+
+def _packed_base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The tensor q, k, v (BHSD) are views of if together they tile it exactly, as a fused qkv
+    projection's output split in three and viewed as heads is: (..., 3 * H * D) rows holding the
+    query, key and value heads in turn, each head's D contiguous. Else None."""
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
+        return None
+    if q.ndim != 4 or not (q.shape == k.shape == v.shape) or not (q.stride() == k.stride() == v.stride()):
+        return None
+    batch, heads, seq, dim = q.shape
+    s_b, s_h, s_s, s_d = q.stride()
+    width = heads * dim
+    if (s_d, s_h, s_s) != (1, dim, 3 * width) or (batch > 1 and s_b != seq * s_s):
+        return None
+    at = q.storage_offset() - base.storage_offset()
+    offsets = (at, k.storage_offset() - base.storage_offset(), v.storage_offset() - base.storage_offset())
+    if offsets != (0, width, 2 * width) or base.numel() != 3 * q.numel():
+        return None
+    return base
+
+
 def _allocator(like: torch.Tensor) -> Callable[[], torch.Tensor]:
     """A function allocating tensors of ``like``'s shape, dtype, device and memory order (a
     dense one), the order worked out once."""
@@ -543,21 +597,26 @@ def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_ls
     qk_scale, cap_scale = _floats(scale, softcap)
     makers = [_allocator(_empty_out(t, t.shape[-1], t.dtype)) for t in (call.q, call.k, call.v)]
     out_strides = out.stride()
-    backward_plan: list = [None, None]  # (config version, plan): looked up on the first backward
+    # (config version, plan) for separate gradients and for gradients into a packed tensor's
+    # views (their strides differ): each looked up on its first backward.
+    backward_plans: dict[bool, list] = {False: [None, None], True: [None, None]}
 
-    def backward(do, q, k, v, o, lse):
+    def backward(do, q, k, v, o, lse, into=None):
+        """dq, dk, dv; ``into``: views to write them to (a packed tensor's), else new tensors."""
         if do.stride() != out_strides:  # the general op (it copies a gradient with strided rows)
             do = do.contiguous() if do.stride(-1) != 1 else do
             args = (do, q, k, v, o, lse, *(None,) * 7, scale, softcap, 0.0, list(meta), False)
-            return _backward(*args)[:3]
-        dq, dk, dv = (make() for make in makers)
-        if backward_plan[0] != config.version:
+            grads = _backward(*args)[:3]
+            return grads if into is None else tuple(t.copy_(g) for t, g in zip(into, grads))
+        dq, dk, dv = (make() for make in makers) if into is None else into
+        cached = backward_plans[into is not None]
+        if cached[0] != config.version:
             names = ("o", "do", "dq", "dk", "dv")
             views = {n: _bhsd(t, layout) for n, t in zip(names, (o, do, dq, dk, dv))}
             views["lse"] = _lse_view(lse, meta)
             plan = _plan("bwd", (q, k, v, *(None,) * 9), meta, False, softcap > 0, views)
-            backward_plan[:] = config.version, plan
-        backward_plan[1](q, k, v, o, do, lse, dq, dk, dv, *(q,) * 8, qk_scale, cap_scale, 0.0, scale)
+            cached[:] = config.version, plan
+        cached[1](q, k, v, o, do, lse, dq, dk, dv, *(q,) * 8, qk_scale, cap_scale, 0.0, scale)
         return dq, dk, dv
 
     program = (_eager_forward(call, out, lse, True), backward)
@@ -565,6 +624,8 @@ def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_ls
     def run(q, k, v, block_table):
         if functorch_active():
             o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
+        elif (base := _packed_base(q, k, v) if layout == 0 else None) is not None:
+            o, lse = _apply_eager_packed(base, (q, k, v), program)
         else:
             o, lse = _apply_eager(q, k, v, program)
         return (o, lse) if return_lse else o

@@ -83,6 +83,16 @@ def test_fast_mode_takes_the_cheapest_supported_engine():
     assert TOY.select(ToyProblem(30)) is choice, "the second call is a lookup"
 
 
+def test_invalidated_plans_are_chosen_again(monkeypatch):
+    """``tdnn.config.invalidate_plans()`` (e.g. engines' costs or another autotune cache in
+    between) makes a problem seen before be chosen again, not served its old choice."""
+    assert TOY.select(ToyProblem(3)).engine.name == "small"
+    monkeypatch.setattr(Small, "cost", lambda self, problem: 3.0)
+    assert TOY.select(ToyProblem(3)).engine.name == "small", "chosen once per config version"
+    tdnn.config.invalidate_plans()
+    assert TOY.select(ToyProblem(3)).engine.name == "tuned"
+
+
 def test_nothing_supports_the_problem():
     with pytest.raises(tdnn.NotSupportedError) as info:
         TOY.select(ToyProblem(30, "odd"))

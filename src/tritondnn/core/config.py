@@ -48,8 +48,9 @@ class Config:
         self.version = state + 8 * self._generation
 
     def invalidate_plans(self) -> None:
-        """Make every per-shape plan be built again on its next use (e.g. after pointing
-        ``TRITONDNN_CACHE_DIR`` at another autotune cache): the version moves to a new range."""
+        """Make every per-shape plan be built again, its engine chosen again, on its next use
+        (e.g. after pointing ``TRITONDNN_CACHE_DIR`` at another autotune cache): the version moves
+        to a new range."""
         self._generation += 1
         self._renumber()
 

@@ -180,7 +180,7 @@ class Family(Generic[P]):
         self.name = name
         self.describe = describe
         self.engines: list[Engine[P]] = []
-        self._chosen: dict[tuple[P, bool], Choice] = {}
+        self._chosen: dict[tuple[P, int], Choice] = {}
         self._plans: dict[tuple, Callable[..., Any]] = {}
         Family.registry[name] = self
 
@@ -207,7 +207,9 @@ class Family(Generic[P]):
         or copies where the call writes in place); without it benchmark mode uses the heuristic.
         Raises ``NotSupportedError`` listing every engine's reasons when none can run the problem.
         """
-        key = (problem, config.benchmark)
+        # Under the config's version (its flags and generation): after ``invalidate_plans`` a
+        # problem is chosen again, as its plans are built again.
+        key = (problem, config.version)
         choice = self._chosen.get(key)
         if choice is None:
             candidates = self._candidates(problem)

@@ -311,37 +311,68 @@ def test_eager_training_repeat_calls(case):
                 assert_close(a, b, None, case)
 
 
-@pytest.mark.parametrize("extra", [0, 64], ids=["packed", "wider"])
-def test_eager_training_of_a_packed_qkv(extra):
-    """q, k, v split from one projection's output and viewed as heads (GPT's attention): repeat
-    training calls take the projection's output as the autograd input and write its gradient
-    whole (no concatenation of three); the bits of the general path's gradient (q, k, v inputs,
-    the split's backward concatenating them), near float64's. A projection wider than q, k, v
-    (``extra`` columns unused) keeps separate gradients: its unused columns' are zeros."""
-    width = 64  # 2 heads of 32
+@pytest.mark.parametrize(
+    "case", ["packed", "batch-1", "strided-gradient", "wider", "off", "retained", "views-are-leaves"]
+)
+def test_eager_training_of_a_packed_qkv(case):
+    """q, k, v split from one projection's output and viewed as heads (GPT's attention), with
+    ``packed_gradient=True``: repeat training calls take the projection's output as the autograd
+    input and write its gradient whole (no concatenation of three); the bits of the general
+    path's gradients (q, k, v inputs; the split's backward concatenating them), near float64's.
+    Left unpacked, with the general path's bits too: a projection wider than q, k, v (its unused
+    columns' gradient zeros), the option off (the views' own gradients can then be asked for), a
+    view that retains its gradient, views made leaves of their own from a tensor without one."""
+    width, batch = 64, 1 if case == "batch-1" else 2  # 2 heads of 32
+    extra = 64 if case == "wider" else 0
+    leaves = case == "views-are-leaves"
 
-    def qkv_views(qkv):
-        return tuple(t.view(2, 37, 2, 32).transpose(1, 2) for t in qkv[..., : 3 * width].split(width, -1))
+    def split(qkv):
+        views = [t.view(batch, 37, 2, 32).transpose(1, 2) for t in qkv[..., : 3 * width].split(width, -1)]
+        if leaves:
+            views = [t.requires_grad_(True) for t in views]
+        if case == "retained":
+            views[1].retain_grad()
+        return views
+
+    def attend(views):
+        return sdpa(*views, is_causal=True, packed_gradient=case != "off")
+
+    def fresh():
+        return rand(batch, 37, 3 * width + extra).requires_grad_(not leaves)
 
     att._eager.clear()
-    sdpa(*qkv_views(rand(2, 37, 3 * width + extra).requires_grad_(True)), is_causal=True)
+    attend(split(fresh()))
     for _ in range(2):
-        qkv = rand(2, 37, 3 * width + extra).requires_grad_(True)
-        o = sdpa(*qkv_views(qkv), is_causal=True)
+        qkv = fresh()
+        views = split(qkv)
+        o = attend(views)
         packed = type(o.grad_fn).__name__.startswith("_EagerPackedAttention")
-        assert packed == (extra == 0), type(o.grad_fn).__name__
-        do = rand(*o.shape)
-        (fast,) = torch.autograd.grad(o, qkv, do)
+        assert packed == (case in ("packed", "batch-1", "strided-gradient")), type(o.grad_fn).__name__
+        if case == "strided-gradient":  # the general backward takes it, into the packed views
+            do = rand(*o.shape[:-1], 2 * o.shape[-1])[..., ::2]
+        else:
+            do = rand(*o.shape)
+        fast = torch.autograd.grad(o, views if leaves else [qkv], do)
         saved = dict(att._eager)
         att._eager.clear()
-        (slow,) = torch.autograd.grad(sdpa(*qkv_views(qkv), is_causal=True), qkv, do)
+        again = views if leaves else split(qkv)
+        slow = torch.autograd.grad(sdpa(*again, is_causal=True), again if leaves else [qkv], do)
         att._eager.update(saved)
-        assert torch.equal(fast, slow)
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow))
         wide = qkv.detach().double().requires_grad_(True)
-        ref, _ = sdpa_reference(*qkv_views(wide), is_causal=True)
+        ref, _ = sdpa_reference(
+            *[t.view(batch, 37, 2, 32).transpose(1, 2) for t in wide[..., : 3 * width].split(width, -1)],
+            is_causal=True,
+        )
         (want,) = torch.autograd.grad(ref, wide, do.double())
-        assert_close(fast, want, None, "packed qkv")
-        assert not fast[..., 3 * width :].any()
+        got = (
+            torch.cat([g.transpose(1, 2).reshape(batch, 37, width) for g in fast], -1) if leaves else fast[0]
+        )
+        assert_close(got[..., : 3 * width], want[..., : 3 * width], None, case)
+        assert not want[..., 3 * width :].any() and (leaves or not got[..., 3 * width :].any())
+        if case == "off":  # the views stay in the graph
+            views = split(qkv)
+            assert torch.autograd.grad(attend(views), views[0], do)[0].shape == views[0].shape
 
 
 def test_dropout_replay(poison):

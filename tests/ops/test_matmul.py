@@ -4,6 +4,7 @@ engine and config, gradients of every input, determinism, errors, the library op
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -365,15 +366,25 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
         assert_close(pre, ref_pre, what=f"tma {config}")
 
 
-@pytest.mark.parametrize("sms", [2, 4, 16, 64])
+# (M, N, K, SMs) in 16x32x16 tiles: 9 tiles of 7 K steps with whole tiles first and the rest shared
+# (2, 4 SMs), every tile shared (16), one K step a program (64: 63 programs); 7 tiles of 7 steps on
+# 4 SMs, where a program's span holds the end of one tile, a whole one and the start of a third.
+_STREAM_K_CASES = {
+    "9x7 on 2": (40, 72, 100, 2, (6, 11)),
+    "9x7 on 4": (40, 72, 100, 4, (4, 9)),
+    "9x7 on 16": (40, 72, 100, 16, (0, 4)),
+    "9x7 on 64": (40, 72, 100, 64, (0, 1)),
+    "7x7 on 4": (112, 32, 112, 4, (0, 13)),
+}
+
+
+@pytest.mark.parametrize("case", list(_STREAM_K_CASES))
 @pytest.mark.parametrize("a_t", [False, True])
-def test_stream_k_kernel(sms, a_t, poison, monkeypatch):
-    """The stream-K variant of the Hopper kernel on ``sms`` SMs, 9 tiles of 7 K steps: whole tiles
-    first and the rest shared (2, 4 SMs), every tile shared (16), one K step a program (64, 63
-    programs); with the epilogue, bound directly as above (no fallback to the tiled kernel). The
-    same bits on a second run (on a GPU, where the programs race to arrive last; the interpreter
-    runs them in order)."""
-    m, n, k = 40, 72, 100
+def test_stream_k_kernel(case, a_t, poison, monkeypatch):
+    """The stream-K variant of the Hopper kernel over the schedules above, with the epilogue,
+    bound directly (a fallback to another kernel fails the test). The same bits on a second run
+    (on a GPU, where the programs race to arrive last; the interpreter runs them in order)."""
+    m, n, k, sms, schedule = _STREAM_K_CASES[case]
     a = randn(k, m).mT if a_t else randn(m, k)
     b = randn(k, n)
     epi = Epilogue(bias="col", activation="gelu", residual=True, store_preactivation=True)
@@ -383,14 +394,9 @@ def test_stream_k_kernel(sms, a_t, poison, monkeypatch):
         activation=epi.activation_kind, store_pre=True, scaled=False, amax=False,
     )  # fmt: skip
     monkeypatch.setattr(mm_engines, "sm_count", lambda: sms)
-
-    def no_fallback(*_):
-        raise AssertionError("fell back to the tiled kernel")
-
-    monkeypatch.setattr(mm_engines.TiledEngine, "bind", lambda self, p, c: no_fallback)
-    tiles, steps = 9, 7
+    tiles, steps = math.ceil(m / 16) * math.ceil(n / 32), math.ceil(k / 16)
     whole, span, slots = mm_engines.stream_k_schedule(tiles, steps, min(sms, tiles * steps))
-    assert (whole, span) == {2: (6, 11), 4: (4, 9), 16: (0, 4), 64: (0, 1)}[sms] and slots >= 2
+    assert (whole, span) == schedule and slots >= 2
     engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
     config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
     config = {**config, "FLATTEN": False, "STREAM_K": True}
@@ -400,11 +406,26 @@ def test_stream_k_kernel(sms, a_t, poison, monkeypatch):
         out, pre, _, args = _launch_args(
             lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
         )
-        engine.bind(lay.problem, config)(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a build failure warns, then falls back
+            engine.bind(lay.problem, config)(*args)
         results.append(out)
-        assert_close(out, ref, what=f"stream-K on {sms} SMs")
-        assert_close(pre, ref_pre, what=f"stream-K on {sms} SMs, pre-activation")
+        assert_close(out, ref, what=f"stream-K, {case}")
+        assert_close(pre, ref_pre, what=f"stream-K, {case}, pre-activation")
     assert torch.equal(*results)
+
+
+def test_stream_k_leads_where_128x128_tiles_leave_the_last_wave_part_empty(monkeypatch):
+    """On 132 SMs, long 16-bit reductions: stream-K leads where 128x128 tiles fill the SMs once
+    and leave the last wave under 90% busy (GPT-2 small's MLP weight gradients: 144 tiles), not
+    with fewer tiles than SMs (its 2304x768: 108), full waves (1536x1408: 132) or short K."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+
+    def leads(m, n, k):
+        return bool(mm_engines.PersistentTmaEngine().configs(_meta_problem(m, n, k))[0].get("STREAM_K"))
+
+    assert leads(768, 3072, 8192) and leads(3072, 768, 8192)
+    assert not leads(2304, 768, 8192) and not leads(1536, 1408, 8192) and not leads(768, 3072, 2048)
 
 
 @pytest.mark.parametrize("a_t", [False, True])

@@ -195,7 +195,10 @@ def _routed_sdpa(
     """``F.scaled_dot_product_attention`` that takes ``tdnn.sdpa`` while routing is on and the
     inputs are on the backend's device; torch's otherwise."""
     if _route_depth > 0 and on_backend(query):
-        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # The model's q, k, v are its own temporaries: a packed qkv takes the gradient whole.
+        return sdpa(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, packed_gradient=True
+        )
     return _TORCH_SDPA(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,

@@ -545,9 +545,15 @@ _apply_eager_packed = raw_apply(_EagerPackedAttention)
 def _packed_base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """The tensor q, k, v (BHSD) are views of if together they tile it exactly, as a fused qkv
     projection's output split in three and viewed as heads is: (..., 3 * H * D) rows holding the
-    query, key and value heads in turn, each head's D contiguous. Else None."""
+    query, key and value heads in turn, each head's D contiguous; and if its gradient is theirs:
+    it requires grad, each view was made from it differentiably (not a leaf of its own, not made
+    under no_grad), and none has hooks or retains its gradient. Else None."""
     base = q._base
     if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
+        return None
+    if not base.requires_grad or any(
+        t.grad_fn is None or t._backward_hooks or t.retains_grad for t in (q, k, v)
+    ):
         return None
     if q.ndim != 4 or not (q.shape == k.shape == v.shape) or not (q.stride() == k.stride() == v.stride()):
         return None
@@ -580,11 +586,14 @@ def _plannable(call: _Call, out: torch.Tensor) -> bool:
     return bool(out.numel() and call.k.numel() and call.meta.seqlen_kv and out.shape[-1])
 
 
-def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> Callable:
+def _eager_training(
+    call: _Call, out: torch.Tensor, lse: torch.Tensor, return_lse: bool, packed_gradient: bool
+) -> Callable:
     """The call through autograd for new q, k, v of the same geometry, validated once (``out`` and
     ``lse``: its results). Where the geometry allows, both passes run bound plans on the tensors
     as given (launches read only data pointers); the call kept holds none of this call's tensors
-    (the options that would are absent here)."""
+    (the options that would are absent here). ``packed_gradient``: q, k, v that tile one tensor
+    differentiate through it (``sdpa``'s argument)."""
     template = call._replace(q=None, k=None, v=None)
     if not _plannable(call, out):
 
@@ -620,11 +629,12 @@ def _eager_training(call: _Call, out: torch.Tensor, lse: torch.Tensor, return_ls
         return dq, dk, dv
 
     program = (_eager_forward(call, out, lse, True), backward)
+    packed = packed_gradient and layout == 0
 
     def run(q, k, v, block_table):
         if functorch_active():
             o, lse = _AttentionFunction.apply(q, k, v, None, None, template)
-        elif (base := _packed_base(q, k, v) if layout == 0 else None) is not None:
+        elif (base := _packed_base(q, k, v) if packed else None) is not None:
             o, lse = _apply_eager_packed(base, (q, k, v), program)
         else:
             o, lse = _apply_eager(q, k, v, program)
@@ -669,6 +679,7 @@ def sdpa(
     descale_v: float | torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
+    packed_gradient: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.scaled_dot_product_attention`` as a flash-attention kernel, with cuDNN's options.
 
@@ -709,6 +720,13 @@ def sdpa(
         out_dtype: the output dtype for fp8 inputs (bf16 by default); others return their own.
         return_lse: also return the fp32 log-sum-exp of each row's scores ((B, Hq, Sq); packed:
             (Hq, total)), -inf for a row that sees no key.
+        packed_gradient: where query, key and value are views that together tile one tensor (a
+            fused qkv projection's output split in three and viewed as heads, BHSD), repeat
+            training calls take that tensor as the autograd input and write its gradient whole
+            (no concatenation of three gradients, fewer autograd nodes). The views then get no
+            gradients of their own: ``torch.autograd.grad(out, query)`` fails and hooks on them
+            do not run (views with hooks or ``retain_grad`` are left unpacked). ``patch(model,
+            sdpa=True)`` routes with it on: there the views are the model's temporaries.
 
     Numerics: fp32 accumulation, online softmax with exp2; a row that sees no key gives zeros (not
     NaN) and zero gradients. Lengths and block tables on a GPU are checked there (a bad value is
@@ -748,7 +766,7 @@ def sdpa(
         eager = (
             training, config.version, query.shape, query.stride(), query.dtype, key.shape, key.stride(),
             key.dtype, value.shape, value.stride(), value.dtype, query.device, is_causal, scale, enable_gqa,
-            layout, causal_alignment, window, return_lse,
+            layout, causal_alignment, window, return_lse, packed_gradient,
             None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
         )  # fmt: skip
         fast = _eager.get(eager)
@@ -774,7 +792,7 @@ def sdpa(
             raise ValueError(f"{OP}: fp8 attention is forward-only")
         o, lse = _AttentionFunction.apply(call.q, call.k, call.v, call.bias, call.sinks, call)
         if eager is not None:
-            _cache(eager, _eager_training(call, o, lse, return_lse))
+            _cache(eager, _eager_training(call, o, lse, return_lse, packed_gradient))
     else:
         o, lse = _forward(*call.tensors(), call.scale, call.softcap, call.dropout_p, list(call.meta))
         if eager is not None and _plannable(call, o):

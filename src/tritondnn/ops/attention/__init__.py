@@ -562,8 +562,8 @@ def _packed_base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     width = heads * dim
     if (s_d, s_h, s_s) != (1, dim, 3 * width) or (batch > 1 and s_b != seq * s_s):
         return None
-    at = q.storage_offset() - base.storage_offset()
-    offsets = (at, k.storage_offset() - base.storage_offset(), v.storage_offset() - base.storage_offset())
+    origin = base.storage_offset()
+    offsets = tuple(t.storage_offset() - origin for t in (q, k, v))
     if offsets != (0, width, 2 * width) or base.numel() != 3 * q.numel():
         return None
     return base

@@ -696,7 +696,7 @@ def _stream_k_fits(p: MatmulProblem) -> bool:
     """A long 16-bit reduction (``_long_k``) whose 128x128 tiles fill the SMs once but leave the
     last wave under 90% busy: the stream-K kernel shares that wave's K loops out evenly."""
     tiles = cdiv(p.m, 128) * cdiv(p.n, 128)
-    return _long_k(p) and not p.fp8 and p.batch == 1 and tiles >= sm_count() and _wave_util(tiles) < 0.9
+    return _long_k(p) and p.batch == 1 and tiles >= sm_count() and _wave_util(tiles) < 0.9
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:

@@ -101,11 +101,11 @@ def _stream_k_kernel(
 
     The first ``dp_tiles`` tiles go whole, ``programs`` apart, as in ``_persistent_kernel``. The
     rest are one run of (tile, K step) iterations, ``span`` of them a program: a program's run may
-    end inside a tile, whose next program goes on from there. A program holding
-    a whole tile stores it; one holding part of a tile stores its fp32 partial sum in slot
-    (its index - the tile's first program's) of the tile's ``slots`` in ``ws`` and arrives on the
-    tile's counter; the last to arrive adds the tile's partials in slot order (the same bits
-    whoever arrives last) and runs the epilogue. No program waits for another.
+    end inside a tile, whose next program goes on from there. A program holding a whole tile
+    stores it; one holding part of a tile stores its fp32 partial sum in slot (its index - the
+    tile's first program's) of the tile's ``slots`` in ``ws`` and arrives on the tile's counter;
+    the last to arrive adds the tile's partials in slot order (the same bits whoever arrives last)
+    and runs the epilogue. No program waits for another.
     """
     a_desc, b_desc, out_desc = _descriptors(
         a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
@@ -147,7 +147,7 @@ def _stream_k_kernel(
             PRECISION, A_T, B_T, BLOCK_K,
         )  # fmt: skip
         whole = (k0 == 0) & (k1 == k_tiles)
-        if (k0 != 0) | (k1 != k_tiles):
+        if not whole:
             first = (shared * k_tiles) // span
             parts = ((shared + 1) * k_tiles - 1) // span - first + 1
             tile_ws = ws_ptr + shared * slots * tile_elems

@@ -134,17 +134,36 @@ def _grad_block(
     ACC: tl.constexpr, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
 ):  # fmt: skip
     """(dy through the activation, x-hat, w * dy) for one block of rows and columns."""
-    x = convert(tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0), ACC)
-    dy = convert(tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0), ACC)
-    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0)
+    w, b = _affine_params(w_ptr, b_ptr, cols, col_mask, ACC, HAS_W, HAS_B, ACT)
+    return _grad_values(dy, x, w, b, mask, mean, rstd, act_p0, act_p1, ACC, ACT)
+
+
+@triton.jit
+def _affine_params(
+    w_ptr, b_ptr, cols, col_mask,
+    ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
+    """The weight (ones without one) and the bias the activation's gradient needs (zeros otherwise)
+    over ``cols``."""
     w = tl.full([1, 1], 1.0, ACC)
     if HAS_W:
         w = convert(tl.load(w_ptr + cols, mask=col_mask, other=0.0), ACC)
+    b = tl.full([1, 1], 0.0, ACC)
+    if ACT >= 0 and HAS_B:
+        b = convert(tl.load(b_ptr + cols, mask=col_mask, other=0.0), ACC)
+    return w, b
+
+
+@triton.jit
+def _grad_values(dy, x, w, b, mask, mean, rstd, act_p0, act_p1, ACC: tl.constexpr, ACT: tl.constexpr):
+    """``_grad_block``'s values from the block's loaded dy and x."""
+    x = convert(x, ACC)
+    dy = convert(dy, ACC)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
     if ACT >= 0:
-        z = xhat * w
-        if HAS_B:
-            z = z + convert(tl.load(b_ptr + cols, mask=col_mask, other=0.0), ACC)
-        dy = activation_gradient(dy, z, ACT, False, act_p0, act_p1)
+        dy = activation_gradient(dy, xhat * w + b, ACT, False, act_p0, act_p1)
     return dy, xhat, dy * w
 
 
@@ -167,16 +186,32 @@ def _backward_kernel(
     if ONE_BLOCK:
         dw_acc = tl.zeros([BLOCK_N], ACC)
         db_acc = tl.zeros([BLOCK_N], ACC)
+        col_mask = cols < n_cols
+        w, b = _affine_params(w_ptr, b_ptr, cols, col_mask, ACC, HAS_W, HAS_B, ACT)
+        # Each block's loads are issued an iteration ahead, so that they are in flight while the
+        # block before is reduced and stored: with a few programs an SM (the partial sums' rows
+        # are per program) nothing else hides the memory latency. A block past the end loads
+        # nothing (all masked).
+        rows = _rows(pid, INDEX_64, BLOCK_R)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask
+        x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0)
+        mean_next = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+        rstd_next = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)
         for block in range(pid, n_blocks, programs):
+            x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
             rows = _rows(block, INDEX_64, BLOCK_R)
             row_mask = rows < n_rows
-            mask = row_mask[:, None] & (cols < n_cols)
-            mean = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)
-            dy, xhat, wdy = _grad_block(
-                dy_ptr, x_ptr, w_ptr, b_ptr, rows, cols, mask, cols < n_cols, mean, rstd, act_p0, act_p1,
-                dy_stride, x_stride, ACC, RMS, HAS_W, HAS_B, ACT,
-            )  # fmt: skip
+            mask = row_mask[:, None] & col_mask
+            ahead = _rows(block + programs, INDEX_64, BLOCK_R)
+            ahead_mask = ahead < n_rows
+            ahead_2d = ahead_mask[:, None] & col_mask
+            x_next = tl.load(x_ptr + ahead[:, None] * x_stride + cols, mask=ahead_2d, other=0.0)
+            dy_next = tl.load(dy_ptr + ahead[:, None] * dy_stride + cols, mask=ahead_2d, other=0.0)
+            mean_next = tl.load(stats_ptr + ahead, mask=ahead_mask, other=0.0)
+            rstd_next = tl.load(stats_ptr + n_rows + ahead, mask=ahead_mask, other=0.0)
+            dy, xhat, wdy = _grad_values(dy, x, w, b, mask, mean, rstd, act_p0, act_p1, ACC, ACT)
             c1 = tl.sum(xhat * wdy, 1)[:, None] / n_cols
             if RMS:
                 dx = (wdy - xhat * c1) * rstd[:, None]

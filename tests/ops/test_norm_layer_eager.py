@@ -303,3 +303,60 @@ def test_functorch_transforms_take_the_general_path():
     torch.func.grad(f)(x)
     assert keys == [None]
     assert L._eager_key("tdnn.layer_norm", x, None, 3, None, None, 1e-5, None) is not None
+
+
+def test_lowered_copy_for_the_next_product(counted):
+    """Under autocast an fp32 layer norm's output is also stored in the autocast dtype as it is
+    written (its eager path called here directly with fp16: the CPU's autocast keeps norms in the
+    input dtype, and the interpreter's bf16 products are wrong): the same bits as casting the
+    output, taken by a linear's cast inside its node while the output is unchanged, and not
+    after it changes; gradients flow through as before."""
+    from tritondnn.core.autocast import lowered
+    from tritondnn.ops.matmul import _linear
+
+    x, w, b, weight = (randn(*s).requires_grad_() for s in ((37, 96), (96,), (96,), (24, 96)))
+    for _ in range(2):  # the validated call, then the fast path
+        y, _ = L._norm("tdnn.layer_norm", x, None, 96, w, b, 1e-5, False, None, torch.float16)
+        low = lowered(y, torch.float16)
+        assert low.dtype == torch.float16 and low is lowered(y, torch.float16)  # attached, not cast
+        assert torch.equal(low, y.detach().half())
+        assert lowered(y, torch.bfloat16).dtype == torch.bfloat16  # another dtype: a cast
+        torch.testing.assert_close(
+            y.double(), F.layer_norm(x.double(), (96,), w.double(), b.double()), rtol=1e-5, atol=1e-5
+        )
+        out = _linear(y, weight, None, None, (), None, None, torch.float16)
+        again = _linear(y.detach().clone(), weight, None, None, (), None, None, torch.float16)
+        assert torch.equal(out, again)
+        grads = torch.autograd.grad(out.float().sum(), (x, w, b, weight))
+        ln = F.layer_norm(x.double(), (96,), w.double(), b.double())
+        ref = F.linear(ln.half().double(), weight.half().double())  # the autocast product's operands
+        ref_grads = torch.autograd.grad(ref.sum(), (x, w, b, weight))
+        for g, r in zip(grads, ref_grads):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
+    assert counted["checks"] == 1
+    with torch.no_grad():
+        y.mul_(2)
+    fresh = lowered(y, torch.float16)
+    assert fresh is not low and torch.equal(fresh, y.detach().half())
+
+
+@pytest.mark.skipif(
+    DEVICE == "cpu", reason="CUDA autocast runs layer norm in fp32 (the CPU's keeps the dtype)"
+)
+def test_autocast_layer_norm_then_linear_takes_the_lowered_copy():
+    """Under CUDA autocast tdnn.layer_norm on fp32 returns fp32 as F.layer_norm does, with its bf16
+    copy attached; tdnn.linear on it gives the bits it gives on a plain copy of the output."""
+    from tritondnn.core.autocast import lowered
+
+    x, w, b, weight = randn(64, 768), randn(768), randn(768), randn(256, 768)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for _ in range(2):
+            y = tdnn.layer_norm(x, 768, w, b)
+            assert y.dtype == torch.float32
+            assert lowered(y, torch.bfloat16) is lowered(y, torch.bfloat16)
+            out, plain = tdnn.linear(y, weight), tdnn.linear(y.clone(), weight)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, plain)
+    torch.testing.assert_close(
+        y.double(), F.layer_norm(x.double(), (768,), w.double(), b.double()), rtol=1e-5, atol=1e-5
+    )

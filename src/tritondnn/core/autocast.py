@@ -61,6 +61,30 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
     return value
 
 
+# A norm under autocast runs in fp32 and returns fp32, which the product after it casts down again
+# (a kernel of its own, reading the fp32 tensor back). Where a kernel can store its output's
+# rounded copy as it writes the output, it leaves the copy on the output (``attach_lowered``),
+# and the products' casts (``lowered``) take it instead of casting, while the output is unchanged.
+_LOWERED = "_tdnn_lowered"
+
+
+def attach_lowered(t: torch.Tensor, low: torch.Tensor) -> None:
+    """Record ``low`` (``t`` rounded to ``low.dtype``, same shape, written by the kernel that wrote
+    ``t``) as ``t``'s lower-precision copy for ``lowered``."""
+    setattr(t, _LOWERED, (low, t._version, t.data_ptr()))
+
+
+def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``: the copy ``attach_lowered`` recorded where it has that dtype and ``t`` is
+    unchanged since (same version counter, same storage), else a cast."""
+    entry = getattr(t, _LOWERED, None)
+    if entry is not None:
+        low, version, ptr = entry
+        if low.dtype == dtype and t._version == version and t.data_ptr() == ptr:
+            return low
+    return t.to(dtype)
+
+
 # One C call on the hot path of every decorated op outside autocast (torch.utils.checkpoint uses
 # the same private query); the public per-device form where it is missing.
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.autocast import FP32, autocast_policy
+from ...core.autocast import FP32, attach_lowered, autocast_policy
 from ...core.backend import multiprocessor_count
 from ...core.checks import check_tensor
 from ...core.config import config
@@ -81,7 +81,8 @@ def layer_norm_reference(
 @dataclasses.dataclass(frozen=True)
 class LayerNormProblem(Problem):
     """One launch over (n_rows, n_cols) row views. ``strides``: the row strides of the launch's
-    row tensors (forward: x, residual, y, sum; backward: dy, x, dsum, dx)."""
+    row tensors (forward: x, residual, y, sum; backward: dy, x, dsum, dx). ``lower``: the forward
+    also stores y rounded to a lower dtype (the last of ``dtypes``; see ``_layer_norm_autocast``)."""
 
     backward: bool
     rms: bool
@@ -96,6 +97,7 @@ class LayerNormProblem(Problem):
     n_rows: int
     n_cols: int
     strides: tuple[int, ...]
+    lower: bool = False
 
     @property
     def acc(self) -> tl.dtype:
@@ -144,7 +146,7 @@ class _RowEngine(Engine[LayerNormProblem]):
             return launcher(
                 _forward_kernel,
                 (cdiv(p.n_rows, block_r),),
-                num_tensors=7,
+                num_tensors=8,
                 ints=(p.n_rows, p.n_cols, *p.strides),
                 constexprs=(
                     p.acc,
@@ -155,6 +157,7 @@ class _RowEngine(Engine[LayerNormProblem]):
                     p.act,
                     self.one_block,
                     p.index_64,
+                    p.lower,
                     block_r,
                     block_n,
                 ),
@@ -283,28 +286,32 @@ def _fake_forward(x, residual, weight, bias, n_cols, eps, rms, act, act_p0, act_
     return _dense(x), _dense(x) if residual is not None else _empty(x), _stats(x, n_cols)
 
 
-def _forward_args(x, residual, weight, bias, y, total, stats, n_cols, eps, act_p0, act_p1) -> tuple:
-    """The forward kernel's tensors (rows as (rows, n_cols) views) and floats."""
+def _forward_args(x, residual, weight, bias, y, total, stats, low, n_cols, eps, act_p0, act_p1) -> tuple:
+    """The forward kernel's tensors (rows as (rows, n_cols) views) and floats; ``low``: y's
+    lower-precision copy (contiguous), or None."""
     x2 = rows_view(x, n_cols)
     res2 = rows_view(residual, n_cols) if residual is not None else x2
     total2 = total.view(-1, n_cols) if residual is not None else x2
     w = weight if weight is not None else x2  # absent tensors are passed as x and never read
     b = bias if bias is not None else x2
-    return (x2, res2, w, b, y.view(-1, n_cols), total2, stats, eps, act_p0, act_p1)
+    low2 = low.view(-1, n_cols) if low is not None else x2
+    return (x2, res2, w, b, y.view(-1, n_cols), total2, stats, low2, eps, act_p0, act_p1)
 
 
-def _forward_plan(args: tuple, rms: bool, act: int, has_res: bool, has_w: bool, has_b: bool) -> Callable:
+def _forward_plan(
+    args: tuple, rms: bool, act: int, has_res: bool, has_w: bool, has_b: bool, lower: bool = False
+) -> Callable:
     """The bound forward launch for ``_forward_args``'s ``args``, cached by what it depends on."""
     x2, res2, w, b = args[:4]
     n_rows, n_cols = x2.shape
     strides = (x2.stride(0), res2.stride(0), n_cols, n_cols)
-    dtypes = (x2.dtype, w.dtype, b.dtype, res2.dtype)
+    dtypes = (x2.dtype, w.dtype, b.dtype, res2.dtype, *((args[7].dtype,) if lower else ()))
     key = (False, rms, has_res, has_w, has_b, act, n_rows, n_cols, strides, *dtypes)
 
     def problem() -> LayerNormProblem:
         flags = (rms, has_res, has_w, has_b, act, False, False, False)
         names = tuple(dtype_name(d) for d in dtypes)
-        return LayerNormProblem(False, *flags, names, n_rows, n_cols, strides)
+        return LayerNormProblem(False, *flags, names, n_rows, n_cols, strides, lower)
 
     return FAMILY.plan(key, problem, lambda: args)
 
@@ -332,7 +339,7 @@ def _forward(
     total = _dense(x) if residual is not None else _empty(x)
     if x.numel() == 0:
         return y, total, stats
-    args = _forward_args(x, residual, weight, bias, y, total, stats, n_cols, eps, act_p0, act_p1)
+    args = _forward_args(x, residual, weight, bias, y, total, stats, None, n_cols, eps, act_p0, act_p1)
     _forward_plan(args, rms, act, residual is not None, weight is not None, bias is not None)(*args)
     return y, total, stats
 
@@ -458,12 +465,13 @@ def _rows_in_place(t: torch.Tensor, n_cols: int) -> bool:
     return rows_view(t, n_cols).data_ptr() == t.data_ptr()
 
 
-def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1) -> Callable | None:
+def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1, lower=None) -> Callable | None:
     """``fast(x, residual, weight, bias, grad) -> (y, x + residual or None)`` for the calls of a
     validated call's key (``_eager_key``): the work of ``_forward`` and ``_backward`` through
     plans bound here, the tensors passed as they are (the key fixes their strides, and their rows
     are views, so a launch reads only their addresses). None where the call needs the general
-    path (an empty input, rows that are copies). Arguments as ``_forward``'s."""
+    path (an empty input, rows that are copies). Arguments as ``_forward``'s; ``lower``: a dtype
+    y is also stored in, attached to y (``core.autocast.attach_lowered``)."""
     if not x.numel() or not _rows_in_place(x, n_cols):
         return None
     if residual is not None and not _rows_in_place(residual, n_cols):
@@ -471,8 +479,9 @@ def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1) -> 
     has_res, flags = residual is not None, (weight is not None, bias is not None)
     y, stats = _dense(x), _stats(x, n_cols)
     total = _dense(x) if has_res else _empty(x)
-    first = _forward_args(x, residual, weight, bias, y, total, stats, n_cols, eps, p0, p1)
-    plan = _forward_plan(first, rms, act, has_res, *flags)
+    low = torch.empty_like(y, dtype=lower) if lower is not None else None
+    first = _forward_args(x, residual, weight, bias, y, total, stats, low, n_cols, eps, p0, p1)
+    plan = _forward_plan(first, rms, act, has_res, *flags, lower is not None)
     out_strides = y.stride()
     # (The closures below hold strides and flags, not the first call's tensors.)
 
@@ -481,7 +490,10 @@ def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1) -> 
         total = _dense(x) if has_res else None
         w = weight if weight is not None else x
         b = bias if bias is not None else x
-        plan(x, residual if has_res else x, w, b, y, total if has_res else x, stats, eps, p0, p1)
+        low = torch.empty_like(y, dtype=lower) if lower is not None else x
+        plan(x, residual if has_res else x, w, b, y, total if has_res else x, stats, low, eps, p0, p1)
+        if lower is not None:
+            attach_lowered(y, low)
         return y, total, stats
 
     backward_plans: dict[tuple, Callable] = {}  # by (config version, need_dw, need_db, has_dsum)
@@ -524,11 +536,13 @@ def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1) -> 
 _eager: dict[tuple, Callable[..., tuple]] = {}
 
 
-def _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activation) -> tuple | None:
+def _eager_key(
+    op, input, residual, normalized_shape, weight, bias, eps, activation, lower=None
+) -> tuple | None:
     """The fast path's key of a call on plain tensors: everything the argument checks and the plans
     depend on (the op, types, shapes, strides, dtypes, devices, eps, the activation, the config
-    version). None where the call takes the general path: tracing, a functorch transform, a
-    tensor subclass, strided parameters, arguments of unusual types."""
+    version, the dtype of a lowered copy). None where the call takes the general path: tracing, a
+    functorch transform, a tensor subclass, strided parameters, arguments of unusual types."""
     if not eager_tensor(input) or functorch_active():
         return None
     if type(normalized_shape) is not int:
@@ -546,7 +560,7 @@ def _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activat
         return None
     return (
         config.version, op, input.shape, input.stride(), input.dtype, input.device, normalized_shape,
-        eps, type(eps), activation,
+        eps, type(eps), activation, lower,
         *[None if t is None else (t.shape, t.dtype, t.device) for t in (weight, bias)],
         None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
     )  # fmt: skip
@@ -562,10 +576,13 @@ def _norm(
     eps: float,
     rms: bool,
     activation: str | None,
+    lower: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalized, the sum or None). Eager calls on plain tensors are checked once per key
-    (``_eager_key``); later calls with the key run prepared plans."""
-    key = _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activation)
+    (``_eager_key``); later calls with the key run prepared plans. ``lower``: a dtype the eager
+    path also stores the output in, attached to it (``core.autocast.attach_lowered``); other
+    paths ignore it."""
+    key = _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activation, lower)
     if key is not None:
         fast = _eager.get(key)
         if fast is not None:
@@ -605,7 +622,7 @@ def _norm(
     tensors = (input, residual, weight, bias)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if key is not None:  # validated: later calls with this key skip the checks
-        fast = _eager_program(input, residual, weight, bias, n_cols, eps, rms, act, p0, p1)
+        fast = _eager_program(input, residual, weight, bias, n_cols, eps, rms, act, p0, p1, lower)
         if fast is not None:
             _eager[key] = fast
             return fast(input, residual, weight, bias, grad)
@@ -626,7 +643,28 @@ def _default_eps(input: object) -> float | None:
     return torch.finfo(input.dtype).eps if floating else None
 
 
-@autocast_policy(FP32)
+def _layer_norm_autocast(
+    dtype: torch.dtype,
+    input: torch.Tensor,
+    normalized_shape: Sequence[int] | int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``layer_norm`` under autocast on an fp32 input (a transformer's residual stream): in fp32
+    as PyTorch's, the output also stored in the autocast dtype as it is written and attached to
+    it, so that the product it usually feeds takes that instead of casting it (a kernel reading
+    the fp32 output back); ``NotImplemented`` for other inputs (autocast's casts, then
+    ``layer_norm``)."""
+    if not (eager_tensor(input) and input.dtype == torch.float32):
+        return NotImplemented
+    args = (input, None, normalized_shape, weight, bias, eps, False, activation, dtype)
+    return _norm("tdnn.layer_norm", *args)[0]
+
+
+@autocast_policy(FP32, inside=_layer_norm_autocast)
 def layer_norm(
     input: torch.Tensor,
     normalized_shape: Sequence[int] | int,

@@ -57,16 +57,27 @@ def _affine_act(
 
 
 @triton.jit
+def _store_y(y_ptr, low_ptr, offsets, y, mask, LOW: tl.constexpr):
+    """y in its dtype and, where LOW, that value rounded again to ``low_ptr``'s (what
+    ``y.to(low dtype)`` would give: the same rounding of the same stored value)."""
+    y = convert(y, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offsets, y, mask=mask)
+    if LOW:
+        tl.store(low_ptr + offsets, convert(y, low_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _forward_kernel(
-    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, stats_ptr,
+    x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, stats_ptr, low_ptr,
     eps, act_p0, act_p1,
     n_rows, n_cols, x_stride, res_stride, y_stride, sum_stride,
     ACC: tl.constexpr, RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, INDEX_64: tl.constexpr,
+    ACT: tl.constexpr, ONE_BLOCK: tl.constexpr, INDEX_64: tl.constexpr, LOW: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """y = act(norm(x [+ res]) * w + b) for BLOCK_R rows; mean and 1/std saved per row (fp32) as
-    ``stats[0]`` and ``stats[1]`` of a (2, n_rows) buffer (one allocation a call).
+    ``stats[0]`` and ``stats[1]`` of a (2, n_rows) buffer (one allocation a call). LOW: y is
+    also stored rounded to ``low_ptr``'s dtype (rows ``y_stride`` apart, as y's).
 
     ONE_BLOCK: a row fits in BLOCK_N, two passes over registers. Otherwise a first loop merges
     per-block means and squared deviations (Chan et al.) and a second loop writes.
@@ -91,7 +102,7 @@ def _forward_kernel(
         y = _affine_act(
             xc * rstd[:, None], w_ptr, b_ptr, cols, cols < n_cols, act_p0, act_p1, HAS_W, HAS_B, ACT
         )
-        tl.store(y_ptr + rows[:, None] * y_stride + cols, convert(y, y_ptr.dtype.element_ty), mask=mask)
+        _store_y(y_ptr, low_ptr, rows[:, None] * y_stride + cols, y, mask, LOW)
     else:
         count = tl.zeros([BLOCK_R], ACC)
         mean = tl.zeros([BLOCK_R], ACC)
@@ -123,7 +134,7 @@ def _forward_kernel(
             x = convert(tl.load(src_ptr + rows[:, None] * src_stride + c, mask=mask, other=0.0), ACC)
             xhat = (x - mean[:, None]) * rstd[:, None]
             y = _affine_act(xhat, w_ptr, b_ptr, c, c < n_cols, act_p0, act_p1, HAS_W, HAS_B, ACT)
-            tl.store(y_ptr + rows[:, None] * y_stride + c, convert(y, y_ptr.dtype.element_ty), mask=mask)
+            _store_y(y_ptr, low_ptr, rows[:, None] * y_stride + c, y, mask, LOW)
     tl.store(stats_ptr + rows, mean, mask=row_mask)
     tl.store(stats_ptr + n_rows + rows, rstd, mask=row_mask)
 

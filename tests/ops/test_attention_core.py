@@ -473,7 +473,7 @@ def test_head_dim_64_tile_heuristics():
     from tritondnn.ops.attention.backward import backward_configs
     from tritondnn.ops.attention.forward import forward_configs
 
-    q, k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 256, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     offers = []
     for causal, rows, warps in ((True, 64, 4), (False, 128, 8)):
         call = att._prepare(q, k, v, is_causal=causal)

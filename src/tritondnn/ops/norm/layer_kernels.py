@@ -168,6 +168,20 @@ def _affine_params(
 
 
 @triton.jit
+def _load_block(dy_ptr, x_ptr, stats_ptr, block, cols, col_mask, n_rows, dy_stride, x_stride,
+                INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """(x, dy, mean, 1/std) of row block ``block`` as stored (nothing loaded past the last row)."""
+    rows = _rows(block, INDEX_64, BLOCK_R)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0)
+    mean = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.jit
 def _grad_values(dy, x, w, b, mask, mean, rstd, act_p0, act_p1, ACC: tl.constexpr, ACT: tl.constexpr):
     """``_grad_block``'s values from the block's loaded dy and x."""
     x = convert(x, ACC)
@@ -203,25 +217,17 @@ def _backward_kernel(
         # block before is reduced and stored: with a few programs an SM (the partial sums' rows
         # are per program) nothing else hides the memory latency. A block past the end loads
         # nothing (all masked).
-        rows = _rows(pid, INDEX_64, BLOCK_R)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask
-        x_next = tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0)
-        dy_next = tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0)
-        mean_next = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
-        rstd_next = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)
+        loaded = _load_block(dy_ptr, x_ptr, stats_ptr, pid, cols, col_mask, n_rows, dy_stride, x_stride,
+                             INDEX_64, BLOCK_R)  # fmt: skip
         for block in range(pid, n_blocks, programs):
-            x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
+            x, dy, mean, rstd = loaded
             rows = _rows(block, INDEX_64, BLOCK_R)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask
-            ahead = _rows(block + programs, INDEX_64, BLOCK_R)
-            ahead_mask = ahead < n_rows
-            ahead_2d = ahead_mask[:, None] & col_mask
-            x_next = tl.load(x_ptr + ahead[:, None] * x_stride + cols, mask=ahead_2d, other=0.0)
-            dy_next = tl.load(dy_ptr + ahead[:, None] * dy_stride + cols, mask=ahead_2d, other=0.0)
-            mean_next = tl.load(stats_ptr + ahead, mask=ahead_mask, other=0.0)
-            rstd_next = tl.load(stats_ptr + n_rows + ahead, mask=ahead_mask, other=0.0)
+            loaded = _load_block(
+                dy_ptr, x_ptr, stats_ptr, block + programs, cols, col_mask, n_rows, dy_stride, x_stride,
+                INDEX_64, BLOCK_R,
+            )  # fmt: skip
             dy, xhat, wdy = _grad_values(dy, x, w, b, mask, mean, rstd, act_p0, act_p1, ACC, ACT)
             c1 = tl.sum(xhat * wdy, 1)[:, None] / n_cols
             if RMS:

@@ -16,7 +16,7 @@ from tritondnn.ops.norm import batch as B
 from tritondnn.ops.norm import group as G
 from tritondnn.ops.norm import group_pipeline
 
-ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu, "sigmoid": torch.sigmoid}
+ACT = {None: lambda y: y, "relu": F.relu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 LAYOUTS = {"nchw": lambda t: t, "channels_last": lambda t: t.to(memory_format=torch.channels_last)}
 
 
@@ -40,7 +40,7 @@ def test_group_norm(groups, dtype, layout, poison):
     assert norm.group_norm(x, groups, w, b).stride() == x.stride()
 
 
-@pytest.mark.parametrize("activation", ["silu", "relu"])
+@pytest.mark.parametrize("activation", ["silu", "relu", "sigmoid", "tanh"])
 def test_group_norm_with_fused_activation(activation, poison):
     x, w, b, dy = _x(layout="channels_last"), randn(8), randn(8), randn(3, 8, 5, 7)
     _compare(
@@ -191,6 +191,25 @@ def test_batch_norm(training, dtype, layout, poison):
     assert y.stride() == x.stride()
     assert_close(rm, rm_ref, what="running_mean")
     assert_close(rv, rv_ref, what="running_var")
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "tanh", "silu"])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_with_fused_activation(training, activation, poison):
+    """act(batch_norm(x)) without a residual: the backward takes the activation's gradient from the
+    normalized values it recomputes (sigmoid's and tanh's are written in their outputs)."""
+    x, dy = _x(layout="channels_last"), LAYOUTS["channels_last"](randn(3, 8, 5, 7))
+    w, b = randn(8), randn(8)
+    rm, rv = randn(8), torch.rand(8, device=DEVICE) + 0.5
+    _compare(
+        lambda x, w, b: norm.batch_norm(x, rm.clone(), rv.clone(), w, b, training, activation=activation),
+        lambda x, w, b: ACT[activation](
+            F.batch_norm(x, rm.to(x.dtype, copy=True), rv.to(x.dtype, copy=True), w, b, training)
+        ),
+        [x, w, b],
+        [dy],
+        activation,
+    )
 
 
 @pytest.mark.parametrize(

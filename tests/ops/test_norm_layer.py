@@ -37,9 +37,8 @@ def _compare(ours, ref, inputs, dys, what):
 
 def _torch_ln(x, w, b, shape, eps=1e-5, activation=None):
     y = F.layer_norm(x, shape, w, b, eps)
-    return {None: y, "relu": F.relu(y) if y is not None else y, "silu": F.silu(y), "gelu": F.gelu(y)}[
-        activation
-    ]
+    acts = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+    return y if activation is None else acts[activation](y)
 
 
 @pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
@@ -87,7 +86,7 @@ def test_mixed_dtypes_fp32_parameters_with_bf16_input(poison):
     assert_close(dw, dref[1].float())
 
 
-@pytest.mark.parametrize("activation", ["relu", "silu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu", "sigmoid", "tanh"])
 def test_layer_norm_with_fused_activation(activation, poison):
     x, w, b, dy = randn(11, 40, scale=2.0), randn(40), randn(40), randn(11, 40)
     _compare(

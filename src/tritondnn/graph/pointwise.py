@@ -111,13 +111,7 @@ for _name, _kind, _params, _defaults in _ACTIVATIONS:
         defaults=_defaults,
         activation=_k,
     )
-    # sigmoid and tanh: activation_gradient takes their output; the others take x itself.
-    if _kind in (Activation.SIGMOID, Activation.TANH):
-        _emit = lambda a, p, k=_k: (
-            f"activation_gradient({a[0]}, activation_value({a[1]}, {k}, 0.0, 0.0), {k}, True, 0.0, 0.0)"
-        )
-    else:
-        _emit = lambda a, p, k=_k: f"activation_gradient({a[0]}, {a[1]}, {k}, False, {', '.join(_pad(p))})"
+    _emit = lambda a, p, k=_k: f"activation_gradient({a[0]}, {a[1]}, {k}, False, {', '.join(_pad(p))})"
     _op(f"{_name}_backward", 2, _backward_ref(_k), _emit, params=_params, defaults=_defaults)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from ..core import numerics
 from ..core.autocast import FP32, autocast_policy
@@ -139,9 +140,13 @@ def activation_gradient(dy, s, KIND: tl.constexpr, SAVED_OUTPUT: tl.constexpr, p
             g = tl.where(s > 0, 1.0, s + p0)  # for x <= 0: alpha * exp(x) == y + alpha
         else:
             g = tl.where(s > 0, 1.0, p0 * tl.exp(s))
-    elif KIND == 2:
+    elif KIND == 2:  # written in the output: sigmoid(x) from x first where x is given
+        if not SAVED_OUTPUT:
+            s = numerics.sigmoid(s)
         g = s * (1.0 - s)
     elif KIND == 3:
+        if not SAVED_OUTPUT:
+            s = numerics.tanh(s)
         g = 1.0 - s * s
     elif KIND == 4:
         cdf, kernel = numerics.normal_cdf(s)
@@ -511,6 +516,7 @@ def _forward_inplace(x: torch.Tensor, kind: int, p0: float, p1: float) -> torch.
     if type(x) is torch.Tensor and not torch.compiler.is_compiling():
         if x.numel():
             _launch_forward(x, x, kind, p0, p1)
+            increment_version(x)  # a kernel's write: autograd (and core.autocast) see it so
         return x
     return x.copy_(_forward(x, kind, p0, p1))
 
@@ -580,6 +586,7 @@ def _eager_program(
 
             def fast(x: torch.Tensor) -> torch.Tensor:
                 plan(x, x, p0, p1)
+                increment_version(x)
                 return x
 
         else:

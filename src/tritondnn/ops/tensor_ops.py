@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from ..core.checks import check_choice, check_float, check_tensor
 from ..core.engine import Engine, Family, LaunchConfig, Problem
@@ -462,6 +463,7 @@ def _into(a, b, out, op, alpha1, alpha2, beta) -> None:
         (),
         (alpha1, alpha2, beta),
     )
+    increment_version(out)  # a kernel's write: autograd (and core.autocast) see it so
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:

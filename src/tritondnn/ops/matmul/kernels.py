@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...core.arrival import last_arrival
 from ...core.numerics import convert
-from ..activation import activation_gradient, activation_value
+from ..activation import activation_gradient
 from ..epilogue import apply_epilogue, reduce_amax
 
 
@@ -304,10 +304,7 @@ def _grad_epilogue_kernel(
                 pre_ptr + (ro * sp_o + ri * sp_r)[:, None] + cols[None, :] * sp_c, mask=mask, other=0.0
             )
             x = convert(s, total.dtype)
-            if ACT == 2 or ACT == 3:  # sigmoid's and tanh's gradients are written in their output
-                d = activation_gradient(d, activation_value(x, ACT, p0, p1), ACT, True, p0, p1)
-            else:
-                d = activation_gradient(d, x, ACT, False, p0, p1)
+            d = activation_gradient(d, x, ACT, False, p0, p1)
             d_ptrs = dpre_ptr + (ro * sd_o + ri * sd_r)[:, None] + cols[None, :] * sd_c
             tl.store(d_ptrs, convert(d, dpre_ptr.dtype.element_ty), mask=mask)
             # The bias gradient sums dpre as stored, the tensor autograd would have summed.

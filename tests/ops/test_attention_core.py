@@ -468,19 +468,20 @@ def test_flops_property():
 
 def test_head_dim_64_tile_heuristics():
     """At head dim 64 the heuristics lead with what measured fastest on an H200 (see the configs'
-    comments): 64x64 tiles in both backward passes; in the forward 64-row query blocks when a
-    right bound (causal) leaves diagonal blocks part empty, 128 rows without one."""
+    comments): with a right bound (causal), which leaves diagonal blocks part empty, 64-row query
+    blocks in the forward and 64x64 tiles in both backward passes; without one, 128 rows in the
+    forward, 32x128 dK/dV and 128x32 dQ tiles."""
     from tritondnn.ops.attention.backward import backward_configs
     from tritondnn.ops.attention.forward import forward_configs
 
     q, k, v = (torch.randn(2, 4, 256, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     offers = []
-    for causal, rows, warps in ((True, 64, 4), (False, 128, 8)):
+    for causal, rows, warps, tiles in ((True, 64, 4, (64, 64, 64, 64)), (False, 128, 8, (32, 128, 128, 32))):
         call = att._prepare(q, k, v, is_causal=causal)
         problem = att._problem("fwd", call.tensors(), call.meta, False)
         fwd = forward_configs(problem, interpret=False)
         assert (fwd[0]["BLOCK_M"], fwd[0]["BLOCK_N"], fwd[0]["num_warps"]) == (rows, 64, warps)
         offers.append(sorted(map(str, fwd)))
         lead = backward_configs(problem, interpret=False)[0]
-        assert (lead["M1"], lead["N1"], lead["M2"], lead["N2"]) == (64, 64, 64, 64)
+        assert (lead["M1"], lead["N1"], lead["M2"], lead["N2"]) == tiles
     assert offers[0] == offers[1]  # the order changes, not the offer

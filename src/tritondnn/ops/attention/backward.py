@@ -481,10 +481,11 @@ def backward_configs(problem, interpret: bool) -> list[dict]:
         return [{"M1": 32, "N1": 32, "W1": 4, "S1": 1, "M2": 32, "N2": 32, "W2": 4, "S2": 1}]
     d = max(block_d(problem.head_dim), block_d(problem.head_dim_v))
     if d <= 64:
-        # H200, bf16, B8 H12 S1024 causal (GPT-2 small), fwd+bwd CUDA-graph timed: 64x64 tiles in
-        # both passes 206.5 us against 236.5 for 128-key dK/dV blocks (whose kernel spills 1.3 KB a
-        # thread under ptxas for sm_90, Triton 3.6: `scratch/attn/ptxas_check.py`), 253-270 for
-        # the others here; cuDNN 196.4.
+        # H200, bf16, fwd+bwd CUDA-graph timed (bench/results/README.md, session 34). B8 H12
+        # S1024 causal (GPT-2 small): 64x64 tiles in both passes 200.7 us against 219.0-240.1 with
+        # 128-key dK/dV blocks (the first of which spills 1.3 KB a thread under ptxas for sm_90,
+        # Triton 3.6: `scratch/attn/ptxas_check.py`); cuDNN 197.6. B4 H16 S4096 without a mask:
+        # 32-query x 128-key dK/dV and 128 x 32 dQ tiles 2529.2 us against 2619.8 for 64x64.
         shapes = [
             (64, 64, 4, 3, 64, 64, 4, 3),
             (64, 128, 8, 3, 128, 64, 8, 3),
@@ -492,6 +493,8 @@ def backward_configs(problem, interpret: bool) -> list[dict]:
             (32, 128, 8, 2, 128, 64, 8, 3),
             (16, 128, 8, 3, 128, 64, 8, 3),
         ]
+        if problem.window[1] == -1:  # no right bound: no part-empty diagonal blocks to keep small
+            shapes.insert(0, shapes.pop(2))
     elif d <= 128:
         # H100 bf16 B4 H32 S4096: 395 TFLOP/s with 3 stages against 379 with 2. Tensor-descriptor
         # loads in the dK/dV kernel: 414 against 403 without a mask (S16384: 427 against 414),

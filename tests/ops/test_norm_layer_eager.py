@@ -305,58 +305,120 @@ def test_functorch_transforms_take_the_general_path():
     assert L._eager_key("tdnn.layer_norm", x, None, 3, None, None, 1e-5, None) is not None
 
 
-def test_lowered_copy_for_the_next_product(counted):
-    """Under autocast an fp32 layer norm's output is also stored in the autocast dtype as it is
-    written (its eager path called here directly with fp16: the CPU's autocast keeps norms in the
-    input dtype, and the interpreter's bf16 products are wrong): the same bits as casting the
-    output, taken by a linear's cast inside its node while the output is unchanged, and not
-    after it changes; gradients flow through as before."""
-    from tritondnn.core.autocast import lowered
+def _lowered_norm(x, w, b):
+    """The output of ``layer_norm``'s path under CUDA autocast (called here directly with fp16:
+    the CPU's autocast keeps norms in the input dtype, and the interpreter's bf16 products are
+    wrong), its fp16 copy kept."""
+    return L._norm("tdnn.layer_norm", x, None, x.shape[-1], w, b, 1e-5, False, None, torch.float16)[0]
+
+
+def _product(y, weight):
+    """``linear(y, weight)`` as under an fp16 autocast: y cast inside the product's node."""
     from tritondnn.ops.matmul import _linear
+
+    return _linear(y, weight, None, None, (), None, None, torch.float16)
+
+
+def test_lowered_copy_for_the_next_product(counted):
+    """An fp32 layer norm's output stored in fp16 as well, as it is written: the same bits as
+    casting the output; a linear's cast inside its node takes it (marked, the mark shows in the
+    product), with or without autograd recording; gradients flow through as before."""
+    from tritondnn.core.autocast import lowered
 
     x, w, b, weight = (randn(*s).requires_grad_() for s in ((37, 96), (96,), (96,), (24, 96)))
     for _ in range(2):  # the validated call, then the fast path
-        y, _ = L._norm("tdnn.layer_norm", x, None, 96, w, b, 1e-5, False, None, torch.float16)
+        y = _lowered_norm(x, w, b)
         low = lowered(y, torch.float16)
-        assert low.dtype == torch.float16 and low is lowered(y, torch.float16)  # attached, not cast
+        assert low.dtype == torch.float16 and low is lowered(y, torch.float16)  # kept, not cast
         assert torch.equal(low, y.detach().half())
         assert lowered(y, torch.bfloat16).dtype == torch.bfloat16  # another dtype: a cast
-        torch.testing.assert_close(
-            y.double(), F.layer_norm(x.double(), (96,), w.double(), b.double()), rtol=1e-5, atol=1e-5
-        )
-        out = _linear(y, weight, None, None, (), None, None, torch.float16)
-        again = _linear(y.detach().clone(), weight, None, None, (), None, None, torch.float16)
-        assert torch.equal(out, again)
-        grads = torch.autograd.grad(out.float().sum(), (x, w, b, weight))
         ln = F.layer_norm(x.double(), (96,), w.double(), b.double())
+        torch.testing.assert_close(y.double(), ln, rtol=1e-5, atol=1e-5)
+        out = _product(y, weight)
+        assert torch.equal(out, _product(y.detach().clone(), weight))
+        grads = torch.autograd.grad(out.float().sum(), (x, w, b, weight))
         ref = F.linear(ln.half().double(), weight.half().double())  # the autocast product's operands
         ref_grads = torch.autograd.grad(ref.sum(), (x, w, b, weight))
         for g, r in zip(grads, ref_grads):
             assert g.dtype == torch.float32
             torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
     assert counted["checks"] == 1
+    ones = _product(torch.ones(37, 96), weight.detach())
+    for grad in (True, False):
+        y = _lowered_norm(x, w, b)
+        lowered(y, torch.float16).fill_(1.0)  # a mark only the kept copy carries
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(_product(y, weight), ones)
+
+
+def _write_with_tdnn_relu(y):
+    tdnn.relu(y, inplace=True)
+
+
+def _write_with_op_tensor(y):
+    tdnn.op_tensor(y, y, "mul", out=y)
+
+
+def _write_under_no_grad(y):
     with torch.no_grad():
         y.mul_(2)
-    fresh = lowered(y, torch.float16)
-    assert fresh is not low and torch.equal(fresh, y.detach().half())
+
+
+@pytest.mark.parametrize("write", [_write_with_tdnn_relu, _write_with_op_tensor, _write_under_no_grad])
+def test_lowered_copy_is_not_taken_after_a_write(write, counted):
+    """A write to the output after the norm (tritondnn's in-place kernels count theirs in its
+    version counter, as PyTorch's ops do) makes the product cast the new values."""
+    from tritondnn.core.autocast import lowered
+
+    x, w, b, weight = randn(37, 96), randn(96), randn(96), randn(24, 96)  # y requires no grad
+    for _ in range(2):
+        y = _lowered_norm(x, w, b)
+        lowered(y, torch.float16).fill_(1.0)
+        write(y)
+        assert torch.equal(_product(y, weight), _product(y.clone(), weight))
+
+
+def test_lowered_copy_only_where_autograd_records_and_only_the_latest():
+    """No copy without grad mode (evaluation casts in the product's no-grad path anyway) or in
+    inference mode (no version counter); one copy kept, the latest norm's, dropped with its
+    output."""
+    from tritondnn.core import autocast as A
+
+    x, w, b = randn(8, 32), randn(32), randn(32)
+    with torch.no_grad():
+        assert L._layer_norm_autocast(torch.float16, x, 32, w, b) is NotImplemented
+    with torch.inference_mode():
+        assert L._layer_norm_autocast(torch.float16, x, 32, w, b) is NotImplemented
+        t = torch.ones(4)
+        A.attach_lowered(t, t.half())
+        assert A._lowered[0] is None or A._lowered[0][0]() is not t
+    first, second = _lowered_norm(x, w, b), _lowered_norm(x * 2, w, b)
+    assert A.lowered(second, torch.float16) is A._lowered[0][3]
+    assert A.lowered(first, torch.float16) is not A._lowered[0][3]  # replaced: a cast
+    del second
+    assert A._lowered[0] is None
 
 
 @pytest.mark.skipif(
     DEVICE == "cpu", reason="CUDA autocast runs layer norm in fp32 (the CPU's keeps the dtype)"
 )
 def test_autocast_layer_norm_then_linear_takes_the_lowered_copy():
-    """Under CUDA autocast tdnn.layer_norm on fp32 returns fp32 as F.layer_norm does, with its bf16
-    copy attached; tdnn.linear on it gives the bits it gives on a plain copy of the output."""
+    """Under CUDA autocast tdnn.layer_norm on fp32 returns fp32 as F.layer_norm does, its bf16
+    copy kept; tdnn.linear on it gives the bits it gives on a plain copy of the output, and takes
+    the kept copy (marked, the mark shows)."""
     from tritondnn.core.autocast import lowered
 
-    x, w, b, weight = randn(64, 768), randn(768), randn(768), randn(256, 768)
+    x, w, b, weight = randn(64, 768).requires_grad_(), randn(768), randn(768), randn(256, 768)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         for _ in range(2):
             y = tdnn.layer_norm(x, 768, w, b)
             assert y.dtype == torch.float32
             assert lowered(y, torch.bfloat16) is lowered(y, torch.bfloat16)
-            out, plain = tdnn.linear(y, weight), tdnn.linear(y.clone(), weight)
+            out, plain = tdnn.linear(y, weight), tdnn.linear(y.detach().clone().requires_grad_(), weight)
             assert out.dtype == torch.bfloat16 and torch.equal(out, plain)
+        lowered(y, torch.bfloat16).fill_(1.0)
+        ones = torch.ones_like(y).requires_grad_()  # the same (recorded) path
+        assert torch.equal(tdnn.linear(y, weight), tdnn.linear(ones, weight))
     torch.testing.assert_close(
         y.double(), F.layer_norm(x.double(), (768,), w.double(), b.double()), rtol=1e-5, atol=1e-5
     )

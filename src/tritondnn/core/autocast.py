@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -62,24 +63,36 @@ def _cast(value: Any, policy: str, dtype: torch.dtype) -> Any:
 
 
 # A norm under autocast runs in fp32 and returns fp32, which the product after it casts down again
-# (a kernel of its own, reading the fp32 tensor back). Where a kernel can store its output's
-# rounded copy as it writes the output, it leaves the copy on the output (``attach_lowered``),
-# and the products' casts (``lowered``) take it instead of casting, while the output is unchanged.
-_LOWERED = "_tdnn_lowered"
+# (a kernel of its own, reading the fp32 tensor back). A kernel can store its output's rounded copy
+# as it writes the output (``attach_lowered``), and the products' casts (``lowered``) take the copy
+# instead of casting. One copy is kept, the latest, and only while its output lives and is
+# unchanged: same version counter and storage. A write that bypasses the version counter (through
+# ``.data``, DLPack, an in-place collective, a custom kernel) between the norm and the product
+# would go unseen, as it would by autograd's checks of saved tensors.
+_lowered: list[tuple | None] = [None]  # (weak reference to the output, its version, address, copy)
 
 
 def attach_lowered(t: torch.Tensor, low: torch.Tensor) -> None:
-    """Record ``low`` (``t`` rounded to ``low.dtype``, same shape, written by the kernel that wrote
-    ``t``) as ``t``'s lower-precision copy for ``lowered``."""
-    setattr(t, _LOWERED, (low, t._version, t.data_ptr()))
+    """Keep ``low`` (``t`` rounded to ``low.dtype``, same shape, written by the kernel that wrote
+    ``t``) as the copy ``lowered`` hands out for ``t``, in place of the one kept before."""
+    if t.is_inference():  # no version counter to check later
+        return
+
+    def forget(ref: weakref.ref) -> None:
+        entry = _lowered[0]
+        if entry is not None and entry[0] is ref:
+            _lowered[0] = None
+
+    _lowered[0] = (weakref.ref(t, forget), t._version, t.data_ptr(), low)
 
 
 def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``: the copy ``attach_lowered`` recorded where it has that dtype and ``t`` is
-    unchanged since (same version counter, same storage), else a cast."""
-    entry = getattr(t, _LOWERED, None)
-    if entry is not None:
-        low, version, ptr = entry
+    """``t.to(dtype)``: the copy ``attach_lowered`` keeps, where it is ``t``'s in that dtype and
+    ``t`` is unchanged since, else a cast. The copy may be handed to several consumers (q, k and v
+    projections of one norm's output): they must not write to it."""
+    entry = _lowered[0]
+    if entry is not None and entry[0]() is t:
+        _, version, ptr, low = entry
         if low.dtype == dtype and t._version == version and t.data_ptr() == ptr:
             return low
     return t.to(dtype)

@@ -465,13 +465,15 @@ def _rows_in_place(t: torch.Tensor, n_cols: int) -> bool:
     return rows_view(t, n_cols).data_ptr() == t.data_ptr()
 
 
-def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1, lower=None) -> Callable | None:
+def _eager_program(
+    x, residual, weight, bias, n_cols, eps, rms, act, p0, p1, low_dtype=None
+) -> Callable | None:
     """``fast(x, residual, weight, bias, grad) -> (y, x + residual or None)`` for the calls of a
     validated call's key (``_eager_key``): the work of ``_forward`` and ``_backward`` through
     plans bound here, the tensors passed as they are (the key fixes their strides, and their rows
     are views, so a launch reads only their addresses). None where the call needs the general
-    path (an empty input, rows that are copies). Arguments as ``_forward``'s; ``lower``: a dtype
-    y is also stored in, attached to y (``core.autocast.attach_lowered``)."""
+    path (an empty input, rows that are copies). Arguments as ``_forward``'s; ``low_dtype``: a
+    dtype y is also stored in, kept as y's copy (``core.autocast.attach_lowered``)."""
     if not x.numel() or not _rows_in_place(x, n_cols):
         return None
     if residual is not None and not _rows_in_place(residual, n_cols):
@@ -479,9 +481,10 @@ def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1, low
     has_res, flags = residual is not None, (weight is not None, bias is not None)
     y, stats = _dense(x), _stats(x, n_cols)
     total = _dense(x) if has_res else _empty(x)
-    low = torch.empty_like(y, dtype=lower) if lower is not None else None
+    lower = low_dtype is not None
+    low = torch.empty_like(y, dtype=low_dtype) if lower else None
     first = _forward_args(x, residual, weight, bias, y, total, stats, low, n_cols, eps, p0, p1)
-    plan = _forward_plan(first, rms, act, has_res, *flags, lower is not None)
+    plan = _forward_plan(first, rms, act, has_res, *flags, lower)
     out_strides = y.stride()
     # (The closures below hold strides and flags, not the first call's tensors.)
 
@@ -490,9 +493,9 @@ def _eager_program(x, residual, weight, bias, n_cols, eps, rms, act, p0, p1, low
         total = _dense(x) if has_res else None
         w = weight if weight is not None else x
         b = bias if bias is not None else x
-        low = torch.empty_like(y, dtype=lower) if lower is not None else x
+        low = torch.empty_like(y, dtype=low_dtype) if lower else x
         plan(x, residual if has_res else x, w, b, y, total if has_res else x, stats, low, eps, p0, p1)
-        if lower is not None:
+        if lower:
             attach_lowered(y, low)
         return y, total, stats
 
@@ -537,7 +540,7 @@ _eager: dict[tuple, Callable[..., tuple]] = {}
 
 
 def _eager_key(
-    op, input, residual, normalized_shape, weight, bias, eps, activation, lower=None
+    op, input, residual, normalized_shape, weight, bias, eps, activation, low_dtype=None
 ) -> tuple | None:
     """The fast path's key of a call on plain tensors: everything the argument checks and the plans
     depend on (the op, types, shapes, strides, dtypes, devices, eps, the activation, the config
@@ -560,7 +563,7 @@ def _eager_key(
         return None
     return (
         config.version, op, input.shape, input.stride(), input.dtype, input.device, normalized_shape,
-        eps, type(eps), activation, lower,
+        eps, type(eps), activation, low_dtype,
         *[None if t is None else (t.shape, t.dtype, t.device) for t in (weight, bias)],
         None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
     )  # fmt: skip
@@ -576,13 +579,13 @@ def _norm(
     eps: float,
     rms: bool,
     activation: str | None,
-    lower: torch.dtype | None = None,
+    low_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normalized, the sum or None). Eager calls on plain tensors are checked once per key
-    (``_eager_key``); later calls with the key run prepared plans. ``lower``: a dtype the eager
-    path also stores the output in, attached to it (``core.autocast.attach_lowered``); other
-    paths ignore it."""
-    key = _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activation, lower)
+    (``_eager_key``); later calls with the key run prepared plans. ``low_dtype``: a lower dtype
+    (for an fp32 input) the eager path also stores the output in, kept as the output's copy
+    (``core.autocast.attach_lowered``); other paths ignore it."""
+    key = _eager_key(op, input, residual, normalized_shape, weight, bias, eps, activation, low_dtype)
     if key is not None:
         fast = _eager.get(key)
         if fast is not None:
@@ -622,7 +625,7 @@ def _norm(
     tensors = (input, residual, weight, bias)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if key is not None:  # validated: later calls with this key skip the checks
-        fast = _eager_program(input, residual, weight, bias, n_cols, eps, rms, act, p0, p1, lower)
+        fast = _eager_program(input, residual, weight, bias, n_cols, eps, rms, act, p0, p1, low_dtype)
         if fast is not None:
             _eager[key] = fast
             return fast(input, residual, weight, bias, grad)
@@ -653,12 +656,13 @@ def _layer_norm_autocast(
     *,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """``layer_norm`` under autocast on an fp32 input (a transformer's residual stream): in fp32
-    as PyTorch's, the output also stored in the autocast dtype as it is written and attached to
-    it, so that the product it usually feeds takes that instead of casting it (a kernel reading
-    the fp32 output back); ``NotImplemented`` for other inputs (autocast's casts, then
-    ``layer_norm``)."""
-    if not (eager_tensor(input) and input.dtype == torch.float32):
+    """``layer_norm`` under autocast on an fp32 input (a transformer's residual stream) where
+    autograd records: in fp32 as PyTorch's, the output also stored in the autocast dtype as it is
+    written, kept as its copy (``core.autocast.attach_lowered``), so that the product it usually
+    feeds takes that instead of casting it (a kernel reading the fp32 output back).
+    ``NotImplemented`` (autocast's casts, then ``layer_norm``) for other inputs and without grad
+    mode (evaluation: the products' no-grad paths cast themselves)."""
+    if not (eager_tensor(input) and input.dtype == torch.float32 and torch.is_grad_enabled()):
         return NotImplemented
     args = (input, None, normalized_shape, weight, bias, eps, False, activation, dtype)
     return _norm("tdnn.layer_norm", *args)[0]
@@ -684,8 +688,10 @@ def layer_norm(
             activations are fine), or None.
         eps: added to the variance; must be > 0.
 
-    Statistics are fp32. The output is contiguous, in the input's dtype. Raises ``ValueError``
-    for shape mismatches and ``eps <= 0``.
+    Statistics are fp32. The output is contiguous, in the input's dtype (fp32 under CUDA autocast,
+    as PyTorch's; there, with grad mode on, the kernel also writes the output in the autocast dtype
+    for ``linear``'s cast to take while the output is unchanged: see ``core.autocast``). Raises
+    ``ValueError`` for shape mismatches and ``eps <= 0``.
     """
     return _norm("tdnn.layer_norm", input, None, normalized_shape, weight, bias, eps, False, activation)[0]
 

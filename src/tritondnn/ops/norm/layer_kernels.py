@@ -170,7 +170,7 @@ def _affine_params(
 @triton.jit
 def _load_block(dy_ptr, x_ptr, stats_ptr, block, cols, col_mask, n_rows, dy_stride, x_stride,
                 INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    """(x, dy, mean, 1/std) of row block ``block`` as stored (nothing loaded past the last row)."""
+    """(dy, x, mean, 1/std) of row block ``block`` as stored (nothing loaded past the last row)."""
     rows = _rows(block, INDEX_64, BLOCK_R)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & col_mask
@@ -178,7 +178,7 @@ def _load_block(dy_ptr, x_ptr, stats_ptr, block, cols, col_mask, n_rows, dy_stri
     dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols, mask=mask, other=0.0)
     mean = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
     rstd = tl.load(stats_ptr + n_rows + rows, mask=row_mask, other=0.0)
-    return x, dy, mean, rstd
+    return dy, x, mean, rstd
 
 
 @triton.jit
@@ -220,7 +220,7 @@ def _backward_kernel(
         loaded = _load_block(dy_ptr, x_ptr, stats_ptr, pid, cols, col_mask, n_rows, dy_stride, x_stride,
                              INDEX_64, BLOCK_R)  # fmt: skip
         for block in range(pid, n_blocks, programs):
-            x, dy, mean, rstd = loaded
+            dy, x, mean, rstd = loaded
             rows = _rows(block, INDEX_64, BLOCK_R)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask

@@ -341,7 +341,8 @@ def test_lowered_copy_for_the_next_product(counted):
         ref_grads = torch.autograd.grad(ref.sum(), (x, w, b, weight))
         for g, r in zip(grads, ref_grads):
             assert g.dtype == torch.float32
-            torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
+            # fp16 operands rounded as the reference rounds them, fp32 sums: ~3e-4 of the largest
+            assert (g.double() - r).abs().max() <= 2e-3 * r.abs().max()
     assert counted["checks"] == 1
     ones = _product(torch.ones(37, 96), weight.detach())
     for grad in (True, False):

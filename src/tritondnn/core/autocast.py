@@ -77,13 +77,14 @@ def attach_lowered(t: torch.Tensor, low: torch.Tensor) -> None:
     ``t``) as the copy ``lowered`` hands out for ``t``, in place of the one kept before."""
     if t.is_inference():  # no version counter to check later
         return
+    _lowered[0] = (weakref.ref(t, _forget_lowered), t._version, t.data_ptr(), low)
 
-    def forget(ref: weakref.ref) -> None:
-        entry = _lowered[0]
-        if entry is not None and entry[0] is ref:
-            _lowered[0] = None
 
-    _lowered[0] = (weakref.ref(t, forget), t._version, t.data_ptr(), low)
+def _forget_lowered(ref: weakref.ref) -> None:
+    """Drop the kept copy with its output (called when the output is freed)."""
+    entry = _lowered[0]
+    if entry is not None and entry[0] is ref:
+        _lowered[0] = None
 
 
 def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

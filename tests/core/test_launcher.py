@@ -35,3 +35,34 @@ def test_other_dtypes_are_refused():
     run(x, torch.empty(5, device=DEVICE))
     with pytest.raises(RuntimeError, match="must include the dtypes"):
         run(x, torch.empty(5, device=DEVICE, dtype=torch.float16))
+
+
+@triton.jit
+def _scale_rows_kernel(x_desc, y_ptr, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y = scale * x over one block of rows a program, x read through a host-made descriptor."""
+    row = tl.program_id(0) * BLOCK_M
+    x = x_desc.load([row, 0])
+    offsets = (row + tl.arange(0, BLOCK_M))[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(y_ptr + offsets, x * scale)
+
+
+def test_host_descriptor_arguments():
+    """A described tensor reaches the kernel as a descriptor: fresh tensors, a tensor met before
+    with new values in it (its kept descriptor is the same), and another address each give what
+    they hold, scaled."""
+    from tritondnn.core.launcher import Described
+
+    rows, cols, block = 64, 16, 16
+    run = launcher(
+        _scale_rows_kernel, (rows // block,), 2, (), (block, cols),
+        descriptors=[Described((rows, cols), (cols, 1), (block, cols))],
+    )  # fmt: skip
+    x = torch.randn(rows, cols, device=DEVICE)
+    for values in range(3):
+        if values == 2:
+            x = torch.randn(rows + 8, cols, device=DEVICE)[8:]  # another (aligned) address
+        else:
+            x.copy_(torch.randn(rows, cols, device=DEVICE))
+        y = torch.empty(rows, cols, device=DEVICE)
+        run(x, y, 0.5)
+        assert torch.equal(y, x * 0.5)

@@ -366,6 +366,37 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
         assert_close(pre, ref_pre, what=f"tma {config}")
 
 
+@pytest.mark.gpu_only("warp specialization compiles for Hopper GPUs only")
+@pytest.mark.parametrize("k", [768, 1536])
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_warp_specialized_lead_with_every_epilogue(a_t, b_t, k, poison):
+    """The warp-specialized config that leads products over a wave of 128x128 tiles, bf16, with
+    every epilogue at once (bias, GELU storing its pre-activation, residual, amax) and each
+    operand either way round: what the reference gives, with ragged edges."""
+    m, n = 4000, 1544  # more than a wave of 128x128 tiles; partial tiles at both edges
+    a = (randn(k, m).mT if a_t else randn(m, k)).bfloat16()
+    b = (randn(n, k).mT if b_t else randn(k, n)).bfloat16()
+    epi = Epilogue(bias="col", activation="gelu_tanh", residual=True, store_preactivation=True)
+    extra = _epilogue_inputs(epi, m, n, torch.bfloat16)
+    lay = mm_engines.layout(
+        a, b, None, extra["bias"], extra["residual"], out_dtype=torch.bfloat16, bias_kind=epi.bias_kind,
+        activation=epi.activation_kind, store_pre=True, scaled=False, amax=True,
+    )  # fmt: skip
+    config = mm_engines.PersistentTmaEngine().configs(lay.problem)[0]
+    assert config.get("WARP_SPECIALIZE"), config
+    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+    out, pre, amax, args = _launch_args(
+        lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a config that fails to build falls back with a warning
+        mm_engines.PersistentTmaEngine().bind(lay.problem, config)(*args)
+    assert_close(out, ref, what=str(config))
+    assert_close(pre, ref_pre, what=str(config))
+    assert abs(float(amax) - float(out.float().abs().max())) <= 8e-3 * float(amax)
+
+
 # (M, N, K, SMs) in 16x32x16 tiles: 9 tiles of 7 K steps with whole tiles first and the rest shared
 # (2, 4 SMs), every tile shared (16), one K step a program (64: 63 programs); 7 tiles of 7 steps on
 # 4 SMs, where a program's span holds the end of one tile, a whole one and the start of a third.
@@ -525,11 +556,13 @@ def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
     ).problem  # fmt: skip
 
 
-def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
-    """With H100's 132 SMs and K up to 1024: where 128x256 tiles would leave SMs idle, or K is a
-    few steps, two 128x128 programs per SM go first; up to K = 2048 with a K-major A whose
-    128x128 tiles fit in one wave, one; where big tiles fill their waves, or K is longer, the
-    order stays; split-K declines a K it cannot split."""
+def test_medium_problems_take_paired_or_specialized_tiles(monkeypatch):
+    """With H100's 132 SMs: from K = 512 to 4096 over a wave of 128x128 tiles, a tile shape
+    warp-specialized goes first (128x256 tiles where they fill their waves, else 128x128 with 5
+    stages for K > 1024); below K = 512 where 128x256 tiles would
+    leave SMs idle, or K is a few steps, two 128x128 programs per SM; up to K = 2048 with a
+    K-major A whose 128x128 tiles fit in one wave, one; a longer K keeps the order; split-K
+    declines a K it cannot split."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     persistent = mm_engines.PersistentTmaEngine()
     shapes = {
@@ -540,16 +573,22 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
         "many": (8192, 8192, 8192),
     }
     first = {name: persistent.configs(_meta_problem(*shape))[0] for name, shape in shapes.items()}
-    # Warp-specialized configs are not offered (NaNs now and then inside GPT-2's step, engines.py).
-    assert not any(
-        "WARP_SPECIALIZE" in c for s in shapes.values() for c in persistent.configs(_meta_problem(*s))
-    )
-    assert first["few"] == first["short K"] == mm_engines._PAIRED
+    assert first["short K"] == mm_engines._PAIRED
+    assert first["few"] == {  # a wave of 128x128 tiles, one of 128x256 not well filled
+        **mm_engines._tile(128, 128, 64, 4, 4), "FLATTEN": True, "SUBTILE": True, "WARP_SPECIALIZE": True
+    }  # fmt: skip
+    assert mm_engines._medium_lead(_meta_problem(*shapes["few"])) == mm_engines._PAIRED  # next
     assert all(first[name].get("CTAS", 1) == 1 for name in ("long K", "full waves", "many"))
     assert (first["long K"]["BLOCK_M"], first["long K"]["BLOCK_N"]) == (128, 128)  # K-major A
     weight_gradient = _meta_problem(2048, 1024, 3136)  # K beyond 2048
     assert mm_engines._medium_lead(weight_gradient) is None
     assert (first["full waves"]["BLOCK_M"], first["full waves"]["BLOCK_N"]) == (128, 256)
+    assert first["full waves"]["WARP_SPECIALIZE"] and "WARP_SPECIALIZE" not in first["many"]
+    gpt2 = {(8192, 768, 768): (128, 4), (8192, 768, 3072): (128, 5), (8192, 3072, 768): (256, 3)}
+    for shape, (block_n, stages) in gpt2.items():
+        lead = persistent.configs(_meta_problem(*shape))[0]
+        assert (lead["BLOCK_M"], lead["BLOCK_N"], lead["num_stages"]) == (128, block_n, stages)
+        assert lead["WARP_SPECIALIZE"] and lead["FLATTEN"] and lead["SUBTILE"]
     assert (
         "too short to split"
         in mm_engines.SplitKEngine().not_supported_reasons(_meta_problem(4096, 512, 128))[0]
@@ -557,12 +596,12 @@ def test_medium_problems_take_paired_128x128_tiles(monkeypatch):
 
 
 def test_activation_epilogues_of_short_reductions_lead_over_column_halves(monkeypatch):
-    """Many 128x128 tiles over a short K with an activation (GPT-2 small's first MLP layer storing
-    its pre-activation): the paired tiles with their epilogue over column halves go first, then
-    whole; a residual alone keeps the whole epilogue first."""
+    """Many 128x128 tiles over a short K with an activation (K = 384 here): the paired tiles with
+    their epilogue over column halves go first, then whole; a residual alone keeps the whole
+    epilogue first."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
-    x = torch.empty(8192, 768, device="meta", dtype=torch.bfloat16)
-    w = torch.empty(3072, 768, device="meta", dtype=torch.bfloat16)
+    x = torch.empty(8192, 384, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(3072, 384, device="meta", dtype=torch.bfloat16)
 
     def first_two(**epilogue):
         problem = mm_engines.layout(
@@ -668,7 +707,8 @@ def test_fp32_long_reductions_split_where_few_tiles_would_run(monkeypatch):
 def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's
     128x256x32 tiles, and 16-bit 128x256x64 ones with an fp32 output, leave no room for it, so
-    they are kept and store through pointers (the latter in column halves)."""
+    they are kept and store through pointers (the latter in column halves). A 16-bit product's
+    warp-specialized lead stages half a tile (213 KB of shared memory in all, sm_90)."""
     a = torch.empty(4096, 4096, device="meta", dtype=dtype)
     b = torch.empty(4096, 4096, device="meta", dtype=dtype).t()
     with tdnn.config.flags(allow_tf32=True):
@@ -677,6 +717,9 @@ def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
             scaled=False, amax=False,
         )  # fmt: skip
     configs = mm_engines.PersistentTmaEngine().configs(lay.problem)
+    if dtype == torch.bfloat16:
+        lead = configs.pop(0)
+        assert lead["WARP_SPECIALIZE"] and lead["SUBTILE"] and lead.get("STORE_DESC", True)
     assert (configs[0]["BLOCK_M"], configs[0]["BLOCK_N"], configs[0].get("STORE_DESC")) == (128, 256, False)
     for c in configs:
         pipeline = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * a.element_size()

@@ -344,7 +344,7 @@ def test_lowered_copy_for_the_next_product(counted):
             # fp16 operands rounded as the reference rounds them, fp32 sums: ~3e-4 of the largest
             assert (g.double() - r).abs().max() <= 2e-3 * r.abs().max()
     assert counted["checks"] == 1
-    ones = _product(torch.ones(37, 96), weight.detach())
+    ones = _product(torch.ones(37, 96, device=DEVICE), weight.detach())
     for grad in (True, False):
         y = _lowered_norm(x, w, b)
         lowered(y, torch.float16).fill_(1.0)  # a mark only the kept copy carries

@@ -13,17 +13,24 @@ Conventions: a kernel's parameters are its tensors, then its floats (both given 
 its ints, then its ``tl.constexpr`` parameters (both fixed per problem); the kernel runs on the
 first tensor's GPU. Profiler launch hooks (``triton.knobs.runtime.launch_enter_hook``) are not
 called on these paths.
+
+Leading tensors may reach the kernel as tensor descriptors made on the host (``descriptors``):
+their shape, strides and block are fixed per launcher like the rest, so a descriptor depends only
+on the tensor's address; each launcher encodes one per address it meets and keeps it. The kernel
+gets it by value among its parameters: no device-side descriptor in global scratch memory, and
+a CUDA graph keeps what it was captured with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import triton
 from triton.runtime import _allocation
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .backend import DEVICE_TYPE, INTERPRET
 
@@ -46,6 +53,21 @@ def ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+class Described(NamedTuple):
+    """How a tensor argument reaches the kernel as a host-made tensor descriptor: the shape and
+    strides it covers (the last stride 1; the others and the address 16-byte aligned) and the
+    block a load or store moves."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    block: tuple[int, ...]
+
+
+# Encoded descriptors a launcher keeps per described argument before it starts over: a training
+# step meets a few dozen addresses per problem (one per layer and buffer), steadily.
+_KEPT_DESCRIPTORS = 256
+
+
 def launcher(
     fn: Any,
     grid: Sequence[int],
@@ -55,15 +77,29 @@ def launcher(
     *,
     num_warps: int = 4,
     num_stages: int = 3,
+    descriptors: Sequence[Described | None] = (),
 ) -> Callable[..., None]:
     """A function launching ``fn`` on ``grid`` with its ints, constexprs and options fixed.
 
     Call it with the tensors, then the floats, as the kernel lists them; ``num_tensors`` says how
-    many leading parameters are tensors. State lives in the closure (not instance attributes) to
-    keep the per-call path to a few local-variable reads.
+    many leading parameters are tensors. ``descriptors[i]``, where given and not None, makes the
+    i-th tensor a host-made tensor descriptor (the kernel's parameter is a ``tl.tensor_descriptor``
+    with that block). State lives in the closure (not instance attributes) to keep the per-call
+    path to a few local-variable reads.
     """
     grid = (*grid, 1, 1)[:3]
     tail = (*ints, *constexprs)
+    described = [(i, d) for i, d in enumerate(descriptors) if d is not None]
+
+    def wrapped(args: tuple) -> tuple:
+        """``args`` with the described tensors as Triton's host-side descriptors."""
+        if not described:
+            return args
+        args = list(args)
+        for i, d in described:
+            args[i] = TensorDescriptor(args[i], list(d.shape), list(d.strides), list(d.block))
+        return tuple(args)
+
     if INTERPRET:
         first_dtypes: list[tuple] = []
 
@@ -82,7 +118,7 @@ def launcher(
             # Masked-off lanes compute on filler values (-inf - -inf, 0 / 0) as they do on a GPU,
             # where nothing notices; numpy would warn for each.
             with np.errstate(all="ignore"):
-                fn[grid](*args, *tail)
+                fn[grid](*wrapped(args), *tail)
 
         return run_interpreted
 
@@ -97,6 +133,10 @@ def launcher(
     fast_device, fast_launch, fast_function, fast_head = -1, None, None, ()
     scratch_bytes = 0
     stream_heads: dict[int, tuple] = {}
+    # Per described argument: its encoding (Triton's layout metadata for it) and the C launcher's
+    # arguments for it (the encoded descriptor, then the shape and strides) by tensor address.
+    encodings: list[Any] = []
+    encoded: list[dict[int, list]] = [{} for _ in described]
 
     def general(args: tuple) -> None:
         """Any alignment and device: compiled kernels keyed by both, run through Triton's runner."""
@@ -107,13 +147,15 @@ def launcher(
                 return general(args)
         aligned = tuple(t.data_ptr() % 16 == 0 for t in args[:num_tensors])
         kernel = compiled.get((device, aligned))
+        args = wrapped(args)
         if kernel is None:
             kernel = compiled[device, aligned] = fn[grid](
                 *args, *tail, num_warps=num_warps, num_stages=num_stages
             )
-            direct = _direct_launcher(kernel, gx * gy * gz)
+            direct = _direct_launcher(kernel, gx * gy * gz, bool(described))
             if all(aligned) and fast_launch is None and direct is not None:
                 fast_device, (fast_launch, fast_function, fast_head, scratch_bytes) = device, direct
+                encodings[:] = kernel.metadata.tensordesc_meta or ()
             return
         kernel.run(
             gx,
@@ -136,6 +178,22 @@ def launcher(
             head = stream_heads[stream] = (*fast_head[:2], scratch, *fast_head[3:])
         return head
 
+    def expanded(args: tuple) -> list:
+        """``args`` as the C launcher takes them: each described tensor as its encoded descriptor,
+        shape and strides."""
+        flat = list(args)
+        for (i, d), kept, encoding in zip(reversed(described), reversed(encoded), reversed(encodings)):
+            t = args[i]
+            ptr = t.data_ptr()
+            arguments = kept.get(ptr)
+            if arguments is None:
+                if len(kept) >= _KEPT_DESCRIPTORS:
+                    kept.clear()
+                host = TensorDescriptor(t, list(d.shape), list(d.strides), list(d.block))
+                arguments = kept[ptr] = make_tensordesc_arg(host, encoding)
+            flat[i : i + 1] = arguments
+        return flat
+
     def run(*args: Any) -> None:
         if fast_launch is not None:
             ptrs = 0
@@ -144,6 +202,8 @@ def launcher(
             if not ptrs & 15 and args[0].get_device() == fast_device == current_device():
                 stream = stream_of(fast_device)
                 head = scratch_head(stream) if scratch_bytes else fast_head
+                if described:
+                    args = expanded(args)
                 fast_launch(gx, gy, gz, stream, fast_function, *head, *args, *tail)
                 return
         general(args)
@@ -159,20 +219,36 @@ def _c_launcher_format() -> str | None:
     return getattr(driver, "_BASE_ARGS_FORMAT", None)
 
 
+try:  # encodes a host-side descriptor's arguments for the C launcher (Triton 3.6)
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+except ImportError:
+    make_tensordesc_arg = None
+
+
 # The argument layout of the C launcher this code was written against (Triton 3.6): grid x/y/z,
 # stream, function, cooperative, PDL, two scratch buffers, metadata, launch metadata, two hooks.
 _DIRECT = not INTERPRET and _c_launcher_format() == "iiiKKppOOOOOO"
 
 
-def _direct_launcher(compiled: Any, programs: int) -> tuple | None:
+def _direct_launcher(compiled: Any, programs: int, host_descriptors: bool) -> tuple | None:
     """(C launch function, kernel handle, the arguments between them and the kernel's own, bytes
     of global scratch the launch needs), or None where this Triton's runner does more than
     forward its arguments and a scratch buffer (profiling) or is another version than the one this
-    was written against."""
+    was written against. With ``host_descriptors``, the C function under the runner's wrapper
+    that encodes descriptors on every call (None where it is not found)."""
     runner = compiled.run
     scratch = getattr(runner, "global_scratch_size", None)
     if not _DIRECT or scratch is None or getattr(runner, "profile_scratch_size", 1):
         return None
+    launch = runner.launch
+    if host_descriptors:
+        if make_tensordesc_arg is None or not getattr(compiled.metadata, "tensordesc_meta", None):
+            return None
+        cells = [c.cell_contents for c in getattr(launch, "__closure__", None) or ()]
+        c_functions = [c for c in cells if type(c).__name__ == "builtin_function_or_method"]
+        if len(c_functions) != 1:
+            return None
+        launch = c_functions[0]
     head = (
         runner.launch_cooperative_grid,
         runner.launch_pdl,
@@ -183,4 +259,4 @@ def _direct_launcher(compiled: Any, programs: int) -> tuple | None:
         None,
         None,
     )
-    return runner.launch, compiled.function, head, programs * runner.num_ctas * scratch
+    return launch, compiled.function, head, programs * runner.num_ctas * scratch

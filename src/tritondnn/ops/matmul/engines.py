@@ -24,7 +24,7 @@ from ...core.arrival import arrival_counters
 from ...core.backend import INTERPRET, hopper, sm_count
 from ...core.config import config
 from ...core.engine import Engine, Family, LaunchConfig, Problem
-from ...core.launcher import cdiv, ensure_allocator, launcher
+from ...core.launcher import Described, cdiv, launcher
 from ...core.strides import broadcast_shapes, collapse, empty_aligned_rows
 from ..transform import transform_tensor
 from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
@@ -552,18 +552,11 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         if not (problem.fp8 or problem.dtypes[0] in ("float16", "bfloat16")):
             return plain
         ordered = self._ordered(problem, tiles, plain)
-        lead = _STREAM_K if _stream_k_fits(problem) else _medium_lead(problem)
+        if _stream_k_fits(problem):
+            lead = _STREAM_K
+        else:
+            lead = _specialized_lead(problem) or _medium_lead(problem)
         return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
-
-    # No warp-specialized configs (Triton's producer/consumer split of the tile loop): on an H200
-    # (Triton 3.6) the 1024 < K <= 4096 products they led (the data gradients of GPT-2 small's qkv
-    # and first MLP layers) returned NaN now and then inside a training step: in most runs of a few
-    # steps, a layer norm's incoming gradient was non-finite while the one above it was not. With
-    # plain tiles leading there, three runs of eight steps were clean; so were three with every
-    # kernel launched through Triton's own launcher, which allocates the device-made descriptors'
-    # scratch per launch (ours keeps one per stream), and a host sync in the backward pass hid it
-    # too: how the specialized kernel fails was not pinned down. It had gained 2-5% there (H100).
-    # (Earlier, a 5-stage 128x128 specialized variant computed NaNs outright.)
 
     @staticmethod
     def _ordered(
@@ -597,12 +590,13 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        # What runs if this config fails to build: the same tile without flattening (its pipeline
-        # takes more shared memory: a residual epilogue overflowed it with 128x256 tiles), then
-        # the tiled kernel.
+        # What runs if this config fails to build: the same tile without flattening or warp
+        # specialization (their pipelines take more shared memory: a residual epilogue overflowed
+        # it with 128x256 tiles), then the tiled kernel.
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
         plain = {**config, "FLATTEN": False}
         plain.pop("STREAM_K", None)  # a stream-K config falls back to the persistent kernel
+        plain.pop("WARP_SPECIALIZE", None)
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
         if repack_a:
@@ -622,7 +616,6 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             if ((0 if repack_a else a.data_ptr()) | (0 if repack_b else b.data_ptr()) | out.data_ptr()) & 15:
                 tiled(a, b, out, *rest)
                 return
-            ensure_allocator()
             if repack_a:
                 a = _repack(a.as_strided((problem.m, problem.k), problem.a_strides[2:]), repack_a)
             if repack_b:
@@ -682,6 +675,31 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
     if few and square < sm_count() and p.k > 1024 and p.a_strides[3] == 1:
         return {**_tile(128, 128, 64, 4, 4), "FLATTEN": False}
     return None
+
+
+def _specialized_lead(p: MatmulProblem) -> LaunchConfig | None:
+    """The warp-specialized config (Triton splits the flattened loop into a load warp, an MMA warp
+    and the epilogue's warps; the epilogue over column halves) where it leads: a 16-bit product of
+    512 <= K <= 4096 over at least a wave of 128x128 tiles; 128x256 tiles (8 warps) where they
+    keep their waves 85% busy, else 128x128 (4 warps, 5 stages for K > 1024).
+
+    Measured on an H200 with host-made descriptors (bf16, GPT-2 small's products, M = 8192 tokens;
+    us, the pick before -> specialized, cuBLAS): 8192x768x768 20.3 -> 16.7 (16.0) forward and
+    20.5 -> 16.7 (16.1) data gradient; 8192x768x3072 57.9 -> 53.7 (51.8); 8192x3072x768 58.7 ->
+    58.1 (57.6); data gradients 8192x768x3072 58.1 -> 54.3 (51.8), 8192x3072x768 59.1 -> 58.7.
+    (With device-made descriptors, an H200 training step of GPT-2 small got NaN gradients now and
+    then from specialized kernels leading its 1024 < K <= 4096 data gradients; device-made
+    descriptors are gone: ``tma._persistent_kernel``.)
+    """
+    if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or not 512 <= p.k <= 4096:
+        return None
+    if cdiv(p.m, 128) * cdiv(p.n, 128) < sm_count():
+        return None
+    if _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) >= 0.85:
+        tile = _tile(128, 256, 64, 8, 3)
+    else:
+        tile = _tile(128, 128, 64, 4, 4 if p.k <= 1024 else 5)
+    return {**tile, "FLATTEN": True, "SUBTILE": True, "WARP_SPECIALIZE": True}
 
 
 # Stream-K in 128x128 tiles (``_stream_k_kernel``): H200, bf16, GPT-2 small's MLP weight
@@ -777,18 +795,30 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     return y[0, :, :, 0].t()
 
 
-def _tma_arguments(p: MatmulProblem, config: LaunchConfig, programs: int) -> tuple[tuple, tuple]:
-    """(ints, constexprs) the persistent and stream-K kernels share, in their parameter order."""
+def _tma_arguments(
+    p: MatmulProblem, config: LaunchConfig, programs: int, out_n: int
+) -> tuple[list[Described | None], tuple, tuple]:
+    """(descriptors, ints, constexprs) the persistent and stream-K kernels share, in their
+    parameter order: A's and B's descriptors over the matrices as stored (K x M for an M-major A,
+    N x K for a K-major B) in blocks of one K step, and the output's in blocks of ``out_n``
+    columns where it is stored through one."""
     so_m, so_n = p.out_strides[2:]
     out_desc = config.get("STORE_DESC", True) and so_n == 1 and _aligned(so_m, _ITEMSIZE[p.dtypes[2]])
     c_strides = (p.c_strides or (0,) * 4)[2:]
     r_strides = (p.residual_strides or (0,) * 4)[2:]
     a_t, b_t = _tma_transposed(p.a_strides, p.dtypes[0]), _tma_transposed(p.b_strides, p.dtypes[1])
-    ints = (p.m, p.n, p.k, *p.a_strides[2:], *p.b_strides[2:], so_m, so_n, *c_strides, *r_strides,
-            p.bias_stride, programs)  # fmt: skip
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    sa_m, sa_k = p.a_strides[2:]
+    sb_k, sb_n = p.b_strides[2:]
+    descriptors = [
+        Described((p.k, p.m), (sa_k, 1), (bk, bm)) if a_t else Described((p.m, p.k), (sa_m, 1), (bm, bk)),
+        Described((p.n, p.k), (sb_n, 1), (bn, bk)) if b_t else Described((p.k, p.n), (sb_k, 1), (bk, bn)),
+        Described((p.m, p.n), (so_m, 1), (bm, out_n)) if out_desc else None,
+    ]
+    ints = (p.m, p.n, p.k, so_m, so_n, *c_strides, *r_strides, p.bias_stride, programs)
     constexprs = (*_epilogue_constexprs(p), *_dot_constexprs(p)[:2], a_t, b_t, out_desc,
-                  config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"])  # fmt: skip
-    return ints, constexprs
+                  bm, bn, bk, config["GROUP_M"])  # fmt: skip
+    return descriptors, ints, constexprs
 
 
 def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
@@ -796,15 +826,17 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
     # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
     # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
     programs = min(config.get("CTAS", 1) * sm_count(), _tiles(p, config))
-    ints, constexprs = _tma_arguments(p, config, programs)
+    subtile = config.get("SUBTILE", False)
+    descriptors, ints, constexprs = _tma_arguments(p, config, programs, config["BLOCK_N"] // (1 + subtile))
     return launcher(
         _persistent_kernel,
         (programs,),
         num_tensors=10,
         ints=ints,
-        constexprs=(*constexprs, config["FLATTEN"], config.get("SUBTILE", False)),
+        constexprs=(*constexprs, config["FLATTEN"], subtile, config.get("WARP_SPECIALIZE", False)),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        descriptors=descriptors,
     )
 
 
@@ -825,7 +857,7 @@ def _stream_k_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., No
     tiles, k_steps = _tiles(p, config), cdiv(p.k, config["BLOCK_K"])
     programs = min(sm_count(), tiles * k_steps)
     whole, span, slots = stream_k_schedule(tiles, k_steps, programs)
-    ints, constexprs = _tma_arguments(p, config, programs)
+    descriptors, ints, constexprs = _tma_arguments(p, config, programs, bn)
     launch = launcher(
         _stream_k_kernel,
         (programs,),
@@ -834,6 +866,7 @@ def _stream_k_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., No
         constexprs=constexprs,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        descriptors=descriptors,
     )
     shared = tiles - whole
     counters = arrival_counters(shared)

@@ -2,10 +2,12 @@
 
 One program per SM walks the output tiles (grouped order, as the tiled kernel), so tile setup and
 the epilogue of one tile overlap the loads of the next, and the copy engine moves A and B tiles
-into shared memory without registers or address arithmetic. Descriptors are made on the device
-(``tl.make_tensor_descriptor``), which needs the scratch allocator that
-``core.launcher.ensure_allocator`` installs. Out-of-bounds parts of a tile load as zeros, so
-neither K nor the edges need masks.
+into shared memory without registers or address arithmetic. The descriptors of A, B and (where
+stored through one) the output are made on the host (``core.launcher.Described``) and passed by
+value: made on the device, each program wrote its own into global memory and fenced before its
+first load, and GPT-2 small's 8192 x 768 x 768 product took 19.3 us warp-specialized against 16.9
+with host-made ones (H200). Out-of-bounds parts of a tile load as zeros, so neither K nor the
+edges need masks.
 
 Requirements (checked by the engine): one matrix (no batch); each operand has one contiguous
 dimension and 16-byte-aligned rows (strides and base address); Triton compiled for sm_90+.
@@ -23,37 +25,39 @@ from .kernels import dot, epilogue_tile, grouped
 
 @triton.jit
 def _persistent_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+    a_desc, b_desc, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
     alpha, beta, p0, p1,
-    M, N, K, sa_m, sa_k, sb_k, sb_n, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
+    M, N, K, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size.
 
-    A_T: A's M dimension is the contiguous one (a transposed view, sa_m == 1), so its descriptor
-    covers the stored K x M matrix and tiles are transposed after loading; otherwise sa_k == 1.
-    B_T: B's K dimension is contiguous (B = W.T of a row-major weight, sb_k == 1); otherwise
-    sb_n == 1. OUT_DESC: the output is stored through a descriptor too (so_n == 1, aligned rows).
-    FLATTEN: Triton pipelines the tile and K loops as one, so the next tile's loads are issued
-    during this tile's epilogue. SUBTILE: the epilogue runs on the tile's two column halves in
-    turn, so the first half's store is under way while the second is computed.
+    a_desc, b_desc: descriptors of A and B as stored, blocks of a tile's K step (see
+    ``engines._tma_arguments``).
+    A_T: A's M dimension is the contiguous one (a transposed view), so its descriptor covers the
+    stored K x M matrix and tiles are transposed after loading; otherwise K is. B_T: B's K
+    dimension is contiguous (B = W.T of a row-major weight), its descriptor over N x K; otherwise
+    N is. OUT_DESC: ``out`` is a descriptor of the output (so_n == 1, aligned rows), blocks
+    of the columns an epilogue stores; otherwise a pointer. FLATTEN: Triton pipelines the tile
+    and K loops as one, so the next tile's loads are issued during this tile's epilogue. SUBTILE:
+    the epilogue runs on the tile's two column halves in turn, so the first half's store is under
+    way while the second is computed. WARP_SPECIALIZE: Triton splits the loop into a load warp, an
+    MMA warp and the epilogue's warps, which run at once.
     """
     OUT_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
-    a_desc, b_desc, out_desc = _descriptors(
-        a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
-        A_T, B_T, OUT_DESC, BLOCK_M, BLOCK_N, BLOCK_K, OUT_N,
-    )  # fmt: skip
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     # The epilogue finds its tile from a counter of its own: with the loops flattened, what the top
     # of the body computes may already belong to the next tile.
     tile_done = tl.program_id(0) - programs
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN):
+    for tile in tl.range(
+        tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
+    ):
         pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -69,13 +73,13 @@ def _persistent_kernel(
         if SUBTILE:  # the left half first, then the right one as the last
             left, last = acc.reshape(BLOCK_M, 2, OUT_N).permute(0, 2, 1).split()
             _finish(
-                left, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+                left, off_m, off_n, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
                 scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
                 HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
             )  # fmt: skip
             off_n += OUT_N
         _finish(
-            last, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+            last, off_m, off_n, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
             scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
             HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
         )  # fmt: skip
@@ -83,10 +87,10 @@ def _persistent_kernel(
 
 @triton.jit
 def _stream_k_kernel(
-    a_ptr, b_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+    a_desc, b_desc, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
     ws_ptr, counter_ptr,
     alpha, beta, p0, p1,
-    M, N, K, sa_m, sa_k, sb_k, sb_n, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
+    M, N, K, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
     dp_tiles, span, slots,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
@@ -105,12 +109,9 @@ def _stream_k_kernel(
     stores it; one holding part of a tile stores its fp32 partial sum in slot (its index - the
     tile's first program's) of the tile's ``slots`` in ``ws`` and arrives on the tile's counter;
     the last to arrive adds the tile's partials in slot order (the same bits whoever arrives last)
-    and runs the epilogue. No program waits for another.
+    and runs the epilogue. No program waits for another. The output's blocks (OUT_DESC) are whole
+    tiles.
     """
-    a_desc, b_desc, out_desc = _descriptors(
-        a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
-        A_T, B_T, OUT_DESC, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N,
-    )  # fmt: skip
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -122,7 +123,7 @@ def _stream_k_kernel(
             PRECISION, A_T, B_T, BLOCK_K,
         )  # fmt: skip
         _finish(
-            acc, pid_m * BLOCK_M, pid_n * BLOCK_N, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr,
+            acc, pid_m * BLOCK_M, pid_n * BLOCK_N, out, c_ptr, bias_ptr, res_ptr, pre_ptr,
             scale_a_ptr, scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n,
             s_bias, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, BLOCK_N,
         )  # fmt: skip
@@ -161,32 +162,10 @@ def _stream_k_kernel(
                     acc += tl.load(tile_ws + part * tile_elems + at, cache_modifier=".cg")
         if whole:
             _finish(
-                acc, pid_m * BLOCK_M, pid_n * BLOCK_N, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr,
+                acc, pid_m * BLOCK_M, pid_n * BLOCK_N, out, c_ptr, bias_ptr, res_ptr, pre_ptr,
                 scale_a_ptr, scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m,
                 sr_n, s_bias, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, BLOCK_N,
             )  # fmt: skip
-
-
-@triton.jit
-def _descriptors(
-    a_ptr, b_ptr, out_ptr, M, N, K, sa_m, sa_k, sb_k, sb_n, so_m,
-    A_T: tl.constexpr, B_T: tl.constexpr, OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_N: tl.constexpr,
-):  # fmt: skip
-    """The tensor descriptors of A and B (each over its stored matrix: K x M for A_T, N x K for
-    B_T) and of the output (its pointer where not OUT_DESC), blocks of OUT_N output columns."""
-    if A_T:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [K, M], [sa_k, 1], [BLOCK_K, BLOCK_M])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [sa_m, 1], [BLOCK_M, BLOCK_K])
-    if B_T:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [sb_n, 1], [BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, [K, N], [sb_k, 1], [BLOCK_K, BLOCK_N])
-    out_desc = out_ptr
-    if OUT_DESC:
-        out_desc = tl.make_tensor_descriptor(out_ptr, [M, N], [so_m, 1], [BLOCK_M, OUT_N])
-    return a_desc, b_desc, out_desc
 
 
 @triton.jit
@@ -209,13 +188,14 @@ def _k_steps(a_desc, b_desc, off_m, off_n, k0, k1, acc, PRECISION: tl.constexpr,
 
 @triton.jit
 def _finish(
-    acc, off_m, off_n, out_ptr, out_desc, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr,
+    acc, off_m, off_n, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr,
     amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr, OUT_DESC: tl.constexpr,
     OUT_N: tl.constexpr,
 ):  # fmt: skip
-    """The epilogue of a tile's output columns [off_n, off_n + OUT_N), stored."""
+    """The epilogue of a tile's output columns [off_n, off_n + OUT_N), stored (``out``: the
+    output's descriptor where OUT_DESC, else its pointer)."""
     rows = off_m + tl.arange(0, acc.shape[0])
     cols = off_n + tl.arange(0, OUT_N)
     y = epilogue_tile(
@@ -226,8 +206,8 @@ def _finish(
         HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX,
     )  # fmt: skip
     if OUT_DESC:
-        out_desc.store([off_m, off_n], convert(y, out_ptr.dtype.element_ty))
+        out.store([off_m, off_n], convert(y, out.dtype))
     else:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        out_ptrs = out_ptr + rows[:, None] * so_m + cols[None, :] * so_n
-        tl.store(out_ptrs, convert(y, out_ptr.dtype.element_ty), mask=mask)
+        out_ptrs = out + rows[:, None] * so_m + cols[None, :] * so_n
+        tl.store(out_ptrs, convert(y, out.dtype.element_ty), mask=mask)

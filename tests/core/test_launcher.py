@@ -66,3 +66,17 @@ def test_host_descriptor_arguments():
         y = torch.empty(rows, cols, device=DEVICE)
         run(x, y, 0.5)
         assert torch.equal(y, x * 0.5)
+
+
+def test_described_tensors_come_first():
+    from tritondnn.core.launcher import Described
+
+    with pytest.raises(ValueError, match="leading"):
+        launcher(
+            _scale_rows_kernel,
+            (1,),
+            2,
+            (),
+            (16, 16),
+            descriptors=[None, Described((16, 16), (16, 1), (16, 16))],
+        )

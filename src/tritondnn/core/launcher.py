@@ -63,8 +63,9 @@ class Described(NamedTuple):
     block: tuple[int, ...]
 
 
-# Encoded descriptors a launcher keeps per described argument before it starts over: a training
-# step meets a few dozen addresses per problem (one per layer and buffer), steadily.
+# The descriptor arguments a launcher keeps, by the described tensors' addresses, before it starts
+# over: a training step meets a few dozen address combinations per problem (one per layer and
+# buffer), the same ones step after step once the caching allocator has settled.
 _KEPT_DESCRIPTORS = 256
 
 
@@ -84,12 +85,15 @@ def launcher(
     Call it with the tensors, then the floats, as the kernel lists them; ``num_tensors`` says how
     many leading parameters are tensors. ``descriptors[i]``, where given and not None, makes the
     i-th tensor a host-made tensor descriptor (the kernel's parameter is a ``tl.tensor_descriptor``
-    with that block). State lives in the closure (not instance attributes) to keep the per-call
-    path to a few local-variable reads.
+    with that block); described tensors come first. State lives in the closure (not instance
+    attributes) to keep the per-call path to a few local-variable reads.
     """
     grid = (*grid, 1, 1)[:3]
     tail = (*ints, *constexprs)
     described = [(i, d) for i, d in enumerate(descriptors) if d is not None]
+    leading = len(described)
+    if any(i != j for j, (i, _) in enumerate(described)):
+        raise ValueError("launcher: described tensors must be the leading ones")
 
     def wrapped(args: tuple) -> tuple:
         """``args`` with the described tensors as Triton's host-side descriptors."""
@@ -133,10 +137,12 @@ def launcher(
     fast_device, fast_launch, fast_function, fast_head = -1, None, None, ()
     scratch_bytes = 0
     stream_heads: dict[int, tuple] = {}
-    # Per described argument: its encoding (Triton's layout metadata for it) and the C launcher's
-    # arguments for it (the encoded descriptor, then the shape and strides) by tensor address.
+    # Triton's layout metadata of each descriptor (from the compiled kernel), and the C
+    # launcher's arguments for the described tensors (each one's encoded descriptor, shape and
+    # strides) by their addresses.
     encodings: list[Any] = []
-    encoded: list[dict[int, list]] = [{} for _ in described]
+    kept: dict[tuple[int, ...], tuple] = {}
+    data_ptr = torch.Tensor.data_ptr
 
     def general(args: tuple) -> None:
         """Any alignment and device: compiled kernels keyed by both, run through Triton's runner."""
@@ -178,21 +184,16 @@ def launcher(
             head = stream_heads[stream] = (*fast_head[:2], scratch, *fast_head[3:])
         return head
 
-    def expanded(args: tuple) -> list:
-        """``args`` as the C launcher takes them: each described tensor as its encoded descriptor,
-        shape and strides."""
-        flat = list(args)
-        for (i, d), kept, encoding in zip(reversed(described), reversed(encoded), reversed(encodings)):
-            t = args[i]
-            ptr = t.data_ptr()
-            arguments = kept.get(ptr)
-            if arguments is None:
-                if len(kept) >= _KEPT_DESCRIPTORS:
-                    kept.clear()
-                host = TensorDescriptor(t, list(d.shape), list(d.strides), list(d.block))
-                arguments = kept[ptr] = make_tensordesc_arg(host, encoding)
-            flat[i : i + 1] = arguments
-        return flat
+    def encode(addresses: tuple[int, ...], args: tuple) -> tuple:
+        """The C launcher's arguments for the described tensors at ``addresses``, kept."""
+        if len(kept) >= _KEPT_DESCRIPTORS:
+            kept.clear()
+        flat: list = []
+        for (i, d), encoding in zip(described, encodings):
+            host = TensorDescriptor(args[i], list(d.shape), list(d.strides), list(d.block))
+            flat += make_tensordesc_arg(host, encoding)
+        kept[addresses] = tuple(flat)
+        return kept[addresses]
 
     def run(*args: Any) -> None:
         if fast_launch is not None:
@@ -202,8 +203,11 @@ def launcher(
             if not ptrs & 15 and args[0].get_device() == fast_device == current_device():
                 stream = stream_of(fast_device)
                 head = scratch_head(stream) if scratch_bytes else fast_head
-                if described:
-                    args = expanded(args)
+                if leading:
+                    addresses = tuple(map(data_ptr, args[:leading]))
+                    lead = kept.get(addresses) or encode(addresses, args)
+                    fast_launch(gx, gy, gz, stream, fast_function, *head, *lead, *args[leading:], *tail)
+                    return
                 fast_launch(gx, gy, gz, stream, fast_function, *head, *args, *tail)
                 return
         general(args)

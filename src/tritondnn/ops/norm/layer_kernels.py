@@ -142,7 +142,7 @@ def _forward_kernel(
 @triton.jit
 def _grad_block(
     dy_ptr, x_ptr, w_ptr, b_ptr, rows, cols, mask, col_mask, mean, rstd, act_p0, act_p1, dy_stride, x_stride,
-    ACC: tl.constexpr, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
 ):  # fmt: skip
     """(dy through the activation, x-hat, w * dy) for one block of rows and columns."""
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols, mask=mask, other=0.0)
@@ -262,7 +262,7 @@ def _backward_kernel(
                 mask = row_mask[:, None] & (c < n_cols)
                 dy, xhat, wdy = _grad_block(
                     dy_ptr, x_ptr, w_ptr, b_ptr, rows, c, mask, c < n_cols, mean, rstd, act_p0, act_p1,
-                    dy_stride, x_stride, ACC, RMS, HAS_W, HAS_B, ACT,
+                    dy_stride, x_stride, ACC, HAS_W, HAS_B, ACT,
                 )  # fmt: skip
                 c1 += tl.sum(xhat * wdy, 1)
                 c2 += tl.sum(wdy, 1)
@@ -273,7 +273,7 @@ def _backward_kernel(
                 mask = row_mask[:, None] & (c < n_cols)
                 dy, xhat, wdy = _grad_block(
                     dy_ptr, x_ptr, w_ptr, b_ptr, rows, c, mask, c < n_cols, mean, rstd, act_p0, act_p1,
-                    dy_stride, x_stride, ACC, RMS, HAS_W, HAS_B, ACT,
+                    dy_stride, x_stride, ACC, HAS_W, HAS_B, ACT,
                 )  # fmt: skip
                 if RMS:
                     dx = (wdy - xhat * c1) * rstd[:, None]

@@ -368,14 +368,14 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
 
 @pytest.mark.gpu_only("warp specialization compiles for Hopper GPUs only")
 @pytest.mark.parametrize("k", [768, 1536])
-@pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
-def test_warp_specialized_lead_with_every_epilogue(a_t, b_t, k, poison):
-    """The warp-specialized config that leads products over a wave of 128x128 tiles, bf16, with
-    every epilogue at once (bias, GELU storing its pre-activation, residual, amax) and each
-    operand either way round: what the reference gives, with ragged edges."""
-    m, n = 4000, 1544  # more than a wave of 128x128 tiles; partial tiles at both edges
-    a = (randn(k, m).mT if a_t else randn(m, k)).bfloat16()
+@pytest.mark.parametrize("m, n, block_n", [(4000, 1544, 128), (2000, 4000, 256)])
+def test_warp_specialized_lead_with_every_epilogue(m, n, block_n, b_t, k, poison):
+    """The warp-specialized configs that lead products over a wave of 128x128 tiles (128x128 and
+    128x256 tiles), bf16, with every epilogue at once (bias, GELU storing its pre-activation,
+    residual, amax), B either way round, ragged edges: what the reference gives, call after call
+    (new inputs at new addresses, fresh outputs)."""
+    a = randn(m, k).bfloat16()
     b = (randn(n, k).mT if b_t else randn(k, n)).bfloat16()
     epi = Epilogue(bias="col", activation="gelu_tanh", residual=True, store_preactivation=True)
     extra = _epilogue_inputs(epi, m, n, torch.bfloat16)
@@ -384,17 +384,36 @@ def test_warp_specialized_lead_with_every_epilogue(a_t, b_t, k, poison):
         activation=epi.activation_kind, store_pre=True, scaled=False, amax=True,
     )  # fmt: skip
     config = mm_engines.PersistentTmaEngine().configs(lay.problem)[0]
-    assert config.get("WARP_SPECIALIZE"), config
-    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
-    out, pre, amax, args = _launch_args(
-        lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
-    )
+    assert config.get("WARP_SPECIALIZE") and config["BLOCK_N"] == block_n, config
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a config that fails to build falls back with a warning
-        mm_engines.PersistentTmaEngine().bind(lay.problem, config)(*args)
-    assert_close(out, ref, what=str(config))
-    assert_close(pre, ref_pre, what=str(config))
-    assert abs(float(amax) - float(out.float().abs().max())) <= 8e-3 * float(amax)
+        run = mm_engines.PersistentTmaEngine().bind(lay.problem, config)
+        for call in range(3):
+            if call == 2:
+                a, b = a.clone(), b.clone() if not b_t else b.mT.clone().mT  # other addresses
+                a.normal_()
+            ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+            out, pre, amax, args = _launch_args(
+                lay.problem, lay, a, b, None, extra["bias"], extra["residual"], 1.0, 0.0, *epi.params
+            )
+            run(*args)
+            what = f"{config}, call {call}"
+            assert_close(out, ref, what=what)
+            assert_close(pre, ref_pre, what=what)
+            assert abs(float(amax) - float(out.float().abs().max())) <= 8e-3 * float(amax), what
+
+
+def test_no_warp_specialized_lead_for_an_m_major_a(monkeypatch):
+    """A weight gradient's M-major A (dy^T) is not given the specialized lead (not measured)."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    a = torch.empty(2048, 4096, device="meta", dtype=torch.bfloat16).t()
+    b = torch.empty(2048, 4096, device="meta", dtype=torch.bfloat16)
+    problem = mm_engines.layout(
+        a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
+        scaled=False, amax=False,
+    ).problem  # fmt: skip
+    assert problem.a_strides[2] == 1 and mm_engines._specialized_lead(problem) is None
+    assert mm_engines._specialized_lead(_meta_problem(4096, 4096, 2048)) is not None  # K-major A
 
 
 # (M, N, K, SMs) in 16x32x16 tiles: 9 tiles of 7 K steps with whole tiles first and the rest shared

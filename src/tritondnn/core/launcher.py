@@ -92,7 +92,7 @@ def launcher(
     tail = (*ints, *constexprs)
     described = [(i, d) for i, d in enumerate(descriptors) if d is not None]
     leading = len(described)
-    if any(i != j for j, (i, _) in enumerate(described)):
+    if any(i != j for j, (i, _) in enumerate(described)) or len(descriptors) > num_tensors:
         raise ValueError("launcher: described tensors must be the leading ones")
 
     def wrapped(args: tuple) -> tuple:
@@ -132,8 +132,9 @@ def launcher(
     # The kernel compiled for 16-byte-aligned tensors on one device, launched through its C
     # launcher with nothing in between (Triton's CudaLauncher.__call__ only adds scratch buffers):
     # the device, the C function, the kernel handle, the arguments between them. Kernels that make
-    # tensor descriptors on the device write them into a global scratch buffer; Triton allocates
-    # one per launch (tens of microseconds of host time), these get one per stream, kept.
+    # tensor descriptors on the device (attention, convolution) write them into a global scratch
+    # buffer; Triton allocates one per launch (tens of microseconds of host time), these get one
+    # per stream, kept.
     fast_device, fast_launch, fast_function, fast_head = -1, None, None, ()
     scratch_bytes = 0
     stream_heads: dict[int, tuple] = {}
@@ -160,8 +161,9 @@ def launcher(
             )
             direct = _direct_launcher(kernel, gx * gy * gz, bool(described))
             if all(aligned) and fast_launch is None and direct is not None:
-                fast_device, (fast_launch, fast_function, fast_head, scratch_bytes) = device, direct
+                # The encodings first: another thread may take the fast path once it is set.
                 encodings[:] = kernel.metadata.tensordesc_meta or ()
+                fast_device, (fast_launch, fast_function, fast_head, scratch_bytes) = device, direct
             return
         kernel.run(
             gx,
@@ -192,8 +194,8 @@ def launcher(
         for (i, d), encoding in zip(described, encodings):
             host = TensorDescriptor(args[i], list(d.shape), list(d.strides), list(d.block))
             flat += make_tensordesc_arg(host, encoding)
-        kept[addresses] = tuple(flat)
-        return kept[addresses]
+        arguments = kept[addresses] = tuple(flat)
+        return arguments
 
     def run(*args: Any) -> None:
         if fast_launch is not None:
@@ -223,7 +225,7 @@ def _c_launcher_format() -> str | None:
     return getattr(driver, "_BASE_ARGS_FORMAT", None)
 
 
-try:  # encodes a host-side descriptor's arguments for the C launcher (Triton 3.6)
+try:  # encodes a host-side descriptor's arguments for the C launcher
     from triton.backends.nvidia.driver import make_tensordesc_arg
 except ImportError:
     make_tensordesc_arg = None
@@ -232,6 +234,9 @@ except ImportError:
 # The argument layout of the C launcher this code was written against (Triton 3.6): grid x/y/z,
 # stream, function, cooperative, PDL, two scratch buffers, metadata, launch metadata, two hooks.
 _DIRECT = not INTERPRET and _c_launcher_format() == "iiiKKppOOOOOO"
+# The fast path expands descriptors as Triton 3.6's wrapper of its C launcher does; another
+# version launches described tensors through Triton's runner.
+_DIRECT_DESCRIPTORS = _DIRECT and triton.__version__.startswith("3.6.") and make_tensordesc_arg is not None
 
 
 def _direct_launcher(compiled: Any, programs: int, host_descriptors: bool) -> tuple | None:
@@ -246,8 +251,9 @@ def _direct_launcher(compiled: Any, programs: int, host_descriptors: bool) -> tu
         return None
     launch = runner.launch
     if host_descriptors:
-        if make_tensordesc_arg is None or not getattr(compiled.metadata, "tensordesc_meta", None):
-            return None
+        encodings = getattr(compiled.metadata, "tensordesc_meta", None)
+        if not _DIRECT_DESCRIPTORS or not encodings or not all(isinstance(e, dict) for e in encodings):
+            return None  # (an entry that is not a dict: a descriptor Triton did not lower to TMA)
         cells = [c.cell_contents for c in getattr(launch, "__closure__", None) or ()]
         c_functions = [c for c in cells if type(c).__name__ == "builtin_function_or_method"]
         if len(c_functions) != 1:

@@ -680,20 +680,29 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
 def _specialized_lead(p: MatmulProblem) -> LaunchConfig | None:
     """The warp-specialized config (Triton splits the flattened loop into a load warp, an MMA warp
     and the epilogue's warps; the epilogue over column halves) where it leads: a 16-bit product of
-    512 <= K <= 4096 over at least a wave of 128x128 tiles; 128x256 tiles (8 warps) where they
-    keep their waves 85% busy, else 128x128 (4 warps, 5 stages for K > 1024).
+    512 <= K <= 4096 with a K-major A over at least a wave of 128x128 tiles; 128x256 tiles (8
+    warps) where they keep their waves 85% busy, else 128x128 (4 warps, 5 stages for K > 1024).
 
     Measured on an H200 with host-made descriptors (bf16, GPT-2 small's products, M = 8192 tokens;
     us, the pick before -> specialized, cuBLAS): 8192x768x768 20.3 -> 16.7 (16.0) forward and
     20.5 -> 16.7 (16.1) data gradient; 8192x768x3072 57.9 -> 53.7 (51.8); 8192x3072x768 58.7 ->
     58.1 (57.6); data gradients 8192x768x3072 58.1 -> 54.3 (51.8), 8192x3072x768 59.1 -> 58.7.
-    (With device-made descriptors, an H200 training step of GPT-2 small got NaN gradients now and
-    then from specialized kernels leading its 1024 < K <= 4096 data gradients; device-made
-    descriptors are gone: ``tma._persistent_kernel``.)
+    With epilogues (the lead before -> specialized): 8192x3072x768 + bias + GELU-tanh storing its
+    pre-activation 80.2 (paired tiles over column halves) -> 80.7; 8192x768x3072 + bias + residual
+    61.7 (paired 71.8; the plain tiles that led before were not timed with it). Slight losses:
+    ResNet-50's 3136x2048x1024 25.6 (paired) -> 26.4, 12544x256x1024 14.7 -> 14.8. (An M-major
+    A, a weight gradient's, was not measured: it lost with plain 128x128 tiles, see
+    ``_medium_lead``.)
+
+    With device-made descriptors, an H200 training step of GPT-2 small had got NaN gradients now
+    and then from specialized kernels leading its 1024 < K <= 4096 data gradients (session 32; the
+    cause was not pinned down, a host sync hid it). Descriptors are made on the host now
+    (``tma._persistent_kernel``); six steps from one seed with these leads were finite and matched
+    PyTorch's losses to 7.6e-6. ``tdnn.config.benchmark`` times the plain configs too.
     """
     if p.fp8 or p.dtypes[0] not in ("float16", "bfloat16") or p.batch != 1 or not 512 <= p.k <= 4096:
         return None
-    if cdiv(p.m, 128) * cdiv(p.n, 128) < sm_count():
+    if cdiv(p.m, 128) * cdiv(p.n, 128) < sm_count() or p.a_strides[3] != 1:  # a K-major A only
         return None
     if _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) >= 0.85:
         tile = _tile(128, 256, 64, 8, 3)

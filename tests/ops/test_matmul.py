@@ -578,10 +578,9 @@ def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
 def test_medium_problems_take_paired_or_specialized_tiles(monkeypatch):
     """With H100's 132 SMs: from K = 512 to 4096 over a wave of 128x128 tiles, a tile shape
     warp-specialized goes first (128x256 tiles where they fill their waves, else 128x128 with 5
-    stages for K > 1024); below K = 512 where 128x256 tiles would
-    leave SMs idle, or K is a few steps, two 128x128 programs per SM; up to K = 2048 with a
-    K-major A whose 128x128 tiles fit in one wave, one; a longer K keeps the order; split-K
-    declines a K it cannot split."""
+    stages for K > 1024); below K = 512 where 128x256 tiles would leave SMs idle, or K is a few
+    steps, two 128x128 programs per SM; up to K = 2048 with a K-major A whose 128x128 tiles fit in
+    one wave, one; a longer K keeps the order; split-K declines a K it cannot split."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     persistent = mm_engines.PersistentTmaEngine()
     shapes = {

@@ -62,6 +62,10 @@ class Described(NamedTuple):
     strides: tuple[int, ...]
     block: tuple[int, ...]
 
+    def of(self, t: torch.Tensor) -> TensorDescriptor:
+        """Triton's host-side descriptor of ``t`` so described."""
+        return TensorDescriptor(t, list(self.shape), list(self.strides), list(self.block))
+
 
 # The descriptor arguments a launcher keeps, by the described tensors' addresses, before it starts
 # over: a training step meets a few dozen address combinations per problem (one per layer and
@@ -90,19 +94,16 @@ def launcher(
     """
     grid = (*grid, 1, 1)[:3]
     tail = (*ints, *constexprs)
-    described = [(i, d) for i, d in enumerate(descriptors) if d is not None]
+    described = [d for d in descriptors if d is not None]
     leading = len(described)
-    if any(i != j for j, (i, _) in enumerate(described)) or len(descriptors) > num_tensors:
+    if None in descriptors[:leading] or len(descriptors) > num_tensors:
         raise ValueError("launcher: described tensors must be the leading ones")
 
     def wrapped(args: tuple) -> tuple:
         """``args`` with the described tensors as Triton's host-side descriptors."""
         if not described:
             return args
-        args = list(args)
-        for i, d in described:
-            args[i] = TensorDescriptor(args[i], list(d.shape), list(d.strides), list(d.block))
-        return tuple(args)
+        return (*(d.of(t) for d, t in zip(described, args)), *args[leading:])
 
     if INTERPRET:
         first_dtypes: list[tuple] = []
@@ -191,9 +192,8 @@ def launcher(
         if len(kept) >= _KEPT_DESCRIPTORS:
             kept.clear()
         flat: list = []
-        for (i, d), encoding in zip(described, encodings):
-            host = TensorDescriptor(args[i], list(d.shape), list(d.strides), list(d.block))
-            flat += make_tensordesc_arg(host, encoding)
+        for d, t, encoding in zip(described, args, encodings):
+            flat += make_tensordesc_arg(d.of(t), encoding)
         arguments = kept[addresses] = tuple(flat)
         return arguments
 

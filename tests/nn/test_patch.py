@@ -303,8 +303,8 @@ def test_tiny_models_train_like_torch(index):
 def test_gpt_at_gpt2_width_trains_like_torch_in_bf16():
     """Four decoder layers at GPT-2 small's width (its products: 8192 tokens against 768 x 2304
     and 768 x 3072 weights), eight bf16 AdamW steps patched and plain from one seed: every loss
-    finite and within the models' tolerance of PyTorch's. (Warp-specialized matmul configs made
-    these layers' data gradients NaN now and then on an H200.)"""
+    finite and within the models' tolerance of PyTorch's. (Flattened matmul configs, then with
+    device-made descriptors, made these layers' data gradients NaN now and then on an H200.)"""
     from tritondnn.bench.models import GPT, Workload, agreement, compare
 
     def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -366,12 +366,12 @@ def test_tma_kernel_with_small_tiles(a_t, b_t, poison):
         assert_close(pre, ref_pre, what=f"tma {config}")
 
 
-@pytest.mark.gpu_only("warp specialization compiles for Hopper GPUs only")
+@pytest.mark.gpu_only("tensor descriptors compile for Hopper GPUs only")
 @pytest.mark.parametrize("k", [768, 1536])
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("m, n, block_n", [(4000, 1544, 128), (2000, 4000, 256)])
-def test_warp_specialized_lead_with_every_epilogue(m, n, block_n, b_t, k, poison):
-    """The warp-specialized configs that lead products over a wave of 128x128 tiles (128x128 and
+def test_flattened_lead_with_every_epilogue(m, n, block_n, b_t, k, poison):
+    """The flattened configs over column halves that lead products over a wave of 128x128 tiles (128x128 and
     128x256 tiles), bf16, with every epilogue at once (bias, GELU storing its pre-activation,
     residual, amax), B either way round, ragged edges: what the reference gives, call after call
     (new inputs at new addresses, fresh outputs)."""
@@ -384,7 +384,7 @@ def test_warp_specialized_lead_with_every_epilogue(m, n, block_n, b_t, k, poison
         activation=epi.activation_kind, store_pre=True, scaled=False, amax=True,
     )  # fmt: skip
     config = mm_engines.PersistentTmaEngine().configs(lay.problem)[0]
-    assert config.get("WARP_SPECIALIZE") and config["BLOCK_N"] == block_n, config
+    assert config.get("FLATTEN") and config.get("SUBTILE") and config["BLOCK_N"] == block_n, config
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a config that fails to build falls back with a warning
         run = mm_engines.PersistentTmaEngine().bind(lay.problem, config)
@@ -403,8 +403,8 @@ def test_warp_specialized_lead_with_every_epilogue(m, n, block_n, b_t, k, poison
             assert abs(float(amax) - float(out.float().abs().max())) <= 8e-3 * float(amax), what
 
 
-def test_no_warp_specialized_lead_for_an_m_major_a(monkeypatch):
-    """A weight gradient's M-major A (dy^T) is not given the specialized lead (not measured)."""
+def test_no_flattened_lead_for_an_m_major_a(monkeypatch):
+    """A weight gradient's M-major A (dy^T) is not given the flattened lead (measured at one shape)."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     a = torch.empty(2048, 4096, device="meta", dtype=torch.bfloat16).t()
     b = torch.empty(2048, 4096, device="meta", dtype=torch.bfloat16)
@@ -412,8 +412,8 @@ def test_no_warp_specialized_lead_for_an_m_major_a(monkeypatch):
         a, b, None, None, None, out_dtype=torch.bfloat16, bias_kind=0, activation=-1, store_pre=False,
         scaled=False, amax=False,
     ).problem  # fmt: skip
-    assert problem.a_strides[2] == 1 and mm_engines._specialized_lead(problem) is None
-    assert mm_engines._specialized_lead(_meta_problem(4096, 4096, 2048)) is not None  # K-major A
+    assert problem.a_strides[2] == 1 and mm_engines._flattened_lead(problem) is None
+    assert mm_engines._flattened_lead(_meta_problem(4096, 4096, 2048)) is not None  # K-major A
 
 
 # (M, N, K, SMs) in 16x32x16 tiles: 9 tiles of 7 K steps with whole tiles first and the rest shared
@@ -465,6 +465,37 @@ def test_stream_k_kernel(case, a_t, poison, monkeypatch):
     assert torch.equal(*results)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("a_t", [False, True])
+def test_split_k_persistent_kernel(split, a_t, poison):
+    """The Hopper kernel over (K chunk, tile) units, each chunk's partial product to a workspace,
+    then the reduction with the epilogue (alpha and beta applied once, by the reduction), bound
+    directly (a fallback to another kernel fails the test); ragged edges and a ragged last chunk."""
+    m, n, k = 40, 72, 100
+    a = randn(k, m).mT if a_t else randn(m, k)
+    b = randn(k, n)
+    epi = Epilogue(
+        alpha=0.5, beta=2.0, bias="col", activation="gelu", residual=True, store_preactivation=True
+    )
+    extra = _epilogue_inputs(epi, m, n, torch.float32)
+    lay = mm_engines.layout(
+        a, b, extra["c"], extra["bias"], extra["residual"], out_dtype=torch.float32, bias_kind=1,
+        activation=epi.activation_kind, store_pre=True, scaled=False, amax=False,
+    )  # fmt: skip
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
+    config = {**config, "FLATTEN": True, "SPLIT": split}
+    ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
+    out, pre, _, args = _launch_args(
+        lay.problem, lay, a, b, extra["c"], extra["bias"], extra["residual"], epi.alpha, epi.beta, *epi.params
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a build failure warns, then falls back
+        engine.bind(lay.problem, config)(*args)
+    assert_close(out, ref, what=f"split-K persistent, {split}")
+    assert_close(pre, ref_pre, what=f"split-K persistent, {split}, pre-activation")
+
+
 def test_stream_k_leads_where_128x128_tiles_leave_the_last_wave_part_empty(monkeypatch):
     """On 132 SMs, long 16-bit reductions: stream-K leads where 128x128 tiles fill the SMs once
     and leave the last wave under 90% busy (GPT-2 small's MLP weight gradients: 144 tiles), not
@@ -476,6 +507,22 @@ def test_stream_k_leads_where_128x128_tiles_leave_the_last_wave_part_empty(monke
 
     assert leads(768, 3072, 8192) and leads(3072, 768, 8192)
     assert not leads(2304, 768, 8192) and not leads(1536, 1408, 8192) and not leads(768, 3072, 2048)
+
+
+def test_split_k_leads_where_128x128_tiles_fill_at_most_half_the_sms(monkeypatch):
+    """On 132 SMs, long 16-bit reductions over at most 66 128x128 tiles: the persistent kernel
+    split over K leads, in as many chunks as keep one wave (GPT-2 small's 768 x 768 weight
+    gradient: 36 tiles in 3), and is the engine picked; not with more tiles, nor a short K."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    monkeypatch.setattr(mm_engines, "hopper", lambda: True)
+    monkeypatch.setattr(mm_engines, "INTERPRET", False)
+    engine = mm_engines.PersistentTmaEngine()
+    weight_gradient = _meta_problem(768, 768, 8192)
+    assert engine.configs(weight_gradient)[0].get("SPLIT") == 3
+    assert mm.FAMILY.select(weight_gradient).engine.name == "tma-persistent"
+    assert mm_engines._tma_split(_meta_problem(512, 512, 8192)) == 4  # chunks of 32 K steps at least
+    assert mm_engines._tma_split(_meta_problem(2304, 768, 8192)) == 1  # 108 tiles
+    assert mm_engines._tma_split(_meta_problem(768, 768, 2048)) == 1  # short K
 
 
 @pytest.mark.parametrize("a_t", [False, True])
@@ -575,9 +622,9 @@ def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
     ).problem  # fmt: skip
 
 
-def test_medium_problems_take_paired_or_specialized_tiles(monkeypatch):
+def test_medium_problems_take_paired_or_flattened_tiles(monkeypatch):
     """With H100's 132 SMs: from K = 512 to 4096 over a wave of 128x128 tiles, a tile shape
-    warp-specialized goes first (128x256 tiles where they fill their waves, else 128x128 with 5
+    flattened over column halves goes first (128x256 tiles where they fill their waves, else 128x128 with 5
     stages for K > 1024); below K = 512 where 128x256 tiles would leave SMs idle, or K is a few
     steps, two 128x128 programs per SM; up to K = 2048 with a K-major A whose 128x128 tiles fit in
     one wave, one; a longer K keeps the order; split-K declines a K it cannot split."""
@@ -593,7 +640,7 @@ def test_medium_problems_take_paired_or_specialized_tiles(monkeypatch):
     first = {name: persistent.configs(_meta_problem(*shape))[0] for name, shape in shapes.items()}
     assert first["short K"] == mm_engines._PAIRED
     assert first["few"] == {  # a wave of 128x128 tiles, one of 128x256 not well filled
-        **mm_engines._tile(128, 128, 64, 4, 4), "FLATTEN": True, "SUBTILE": True, "WARP_SPECIALIZE": True
+        **mm_engines._tile(128, 128, 64, 4, 4), "FLATTEN": True, "SUBTILE": True
     }  # fmt: skip
     assert mm_engines._medium_lead(_meta_problem(*shapes["few"])) == mm_engines._PAIRED  # next
     assert all(first[name].get("CTAS", 1) == 1 for name in ("long K", "full waves", "many"))
@@ -601,12 +648,12 @@ def test_medium_problems_take_paired_or_specialized_tiles(monkeypatch):
     weight_gradient = _meta_problem(2048, 1024, 3136)  # K beyond 2048
     assert mm_engines._medium_lead(weight_gradient) is None
     assert (first["full waves"]["BLOCK_M"], first["full waves"]["BLOCK_N"]) == (128, 256)
-    assert first["full waves"]["WARP_SPECIALIZE"] and "WARP_SPECIALIZE" not in first["many"]
+    assert first["full waves"]["SUBTILE"] and not first["many"]["FLATTEN"]
     gpt2 = {(8192, 768, 768): (128, 4), (8192, 768, 3072): (128, 5), (8192, 3072, 768): (256, 3)}
     for shape, (block_n, stages) in gpt2.items():
         lead = persistent.configs(_meta_problem(*shape))[0]
         assert (lead["BLOCK_M"], lead["BLOCK_N"], lead["num_stages"]) == (128, block_n, stages)
-        assert lead["WARP_SPECIALIZE"] and lead["FLATTEN"] and lead["SUBTILE"]
+        assert lead["FLATTEN"] and lead["SUBTILE"]
     assert (
         "too short to split"
         in mm_engines.SplitKEngine().not_supported_reasons(_meta_problem(4096, 512, 128))[0]
@@ -661,8 +708,9 @@ def test_long_reductions_rank_tiles_by_their_rate(monkeypatch):
 def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     """GPT-2 small's products over 8192 tokens as an H100 (132 SMs, descriptors) would pick them,
     against the best each measured (bf16, scratch sweeps): weight gradients over the tokens in
-    whole 128x256 or 128x128 tiles (the tiled kernel), 768x768's split in two (split-K priced at
-    small tiles' rates had taken 3072x768's, 125 us against 84), and where 144 128x128 tiles
+    whole 128x256 or 128x128 tiles (the tiled kernel), 768x768's 128x128 tiles split in three by
+    the persistent kernel (H200: 22 us against 30 for the split-K engine's 64x64 tiles in two;
+    split-K priced at small tiles' rates had taken 3072x768's, 125 us against 84), and where 144 128x128 tiles
     leave the last wave of SMs part-empty, stream-K (H200: 70 us against 80); 768 outputs over a
     K of 2304 or 3072 in 128x128 tiles with 4 warps (128x256 tiles' second wave half empty: 63-83 us against
     54-71), up to K = 4096 (the LM head's 50257 lost); a K of 768 keeps 128x256."""
@@ -690,7 +738,7 @@ def test_gpt2_products_take_the_measured_best_engines(monkeypatch):
     assert pick(3072, 768, 8192, True) == pick(768, 3072, 8192, True) == stream_k
     assert mm_engines.PersistentTmaEngine().configs(_meta_problem(768, 3072, 8192))[0].get("STREAM_K")
     assert pick(2304, 768, 8192, True) == ("tiled", 128, 128, 4, 1)  # 108 tiles: no stream-K
-    assert pick(768, 768, 8192, True) == ("split-k", 64, 64, 4, 2)
+    assert pick(768, 768, 8192, True) == ("tma-persistent", 128, 128, 4, 3)
     for k in (2304, 3072):
         assert pick(8192, 768, k, False) == ("tma-persistent", 128, 128, 4, 1)
     assert pick(8192, 768, 16384, False)[:3] == ("tma-persistent", 128, 256)  # longer K: measured slower
@@ -726,7 +774,7 @@ def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     """A descriptor store stages the output tile in shared memory beside the pipeline: TF32's
     128x256x32 tiles, and 16-bit 128x256x64 ones with an fp32 output, leave no room for it, so
     they are kept and store through pointers (the latter in column halves). A 16-bit product's
-    warp-specialized lead stages half a tile (213 KB of shared memory in all, sm_90)."""
+    flattened lead stages half a tile (213 KB of shared memory in all, sm_90)."""
     a = torch.empty(4096, 4096, device="meta", dtype=dtype)
     b = torch.empty(4096, 4096, device="meta", dtype=dtype).t()
     with tdnn.config.flags(allow_tf32=True):
@@ -737,7 +785,7 @@ def test_tma_tiles_too_big_to_stage_their_output_store_it_from_registers(dtype):
     configs = mm_engines.PersistentTmaEngine().configs(lay.problem)
     if dtype == torch.bfloat16:
         lead = configs.pop(0)
-        assert lead["WARP_SPECIALIZE"] and lead["SUBTILE"] and lead.get("STORE_DESC", True)
+        assert lead["FLATTEN"] and lead["SUBTILE"] and lead.get("STORE_DESC", True)
     assert (configs[0]["BLOCK_M"], configs[0]["BLOCK_N"], configs[0].get("STORE_DESC")) == (128, 256, False)
     for c in configs:
         pipeline = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * a.element_size()

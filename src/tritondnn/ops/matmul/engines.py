@@ -523,8 +523,12 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             bool(repack_a) * _ITEMSIZE[problem.dtypes[0]] * problem.m * problem.k
             + bool(repack_b) * _ITEMSIZE[problem.dtypes[1]] * problem.k * problem.n
         )
+        split = _tma_split(problem)
         if _stream_k_fits(problem):  # the tiles' rate over the SMs, plus the partial tiles' sums
             kernel = _long_k_us(128, 128, problem.k, _tiles(problem, _STREAM_K) / sm_count()) + 8
+        elif split > 1:  # a wave of tiles over a chunk of K, then the sum (partials read, out written)
+            sums = (split + 1) * 4 * problem.m * problem.n / (_BANDWIDTH * 1e6)
+            kernel = _long_k_us(128, 128, cdiv(problem.k, split), 1.0) + sums + 4
         elif _long_k(problem):  # a wave or two of long tiles: their rate, not the idle SMs, decides
             kernel = _long_k_time(problem, c)
         else:
@@ -554,8 +558,10 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         ordered = self._ordered(problem, tiles, plain)
         if _stream_k_fits(problem):
             lead = _STREAM_K
+        elif _tma_split(problem) > 1:
+            lead = {**_tile(128, 128, 64, 4, 4), "FLATTEN": False, "SPLIT": _tma_split(problem)}
         else:
-            lead = _specialized_lead(problem) or _medium_lead(problem)
+            lead = _flattened_lead(problem) or _medium_lead(problem)
         return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
 
     @staticmethod
@@ -568,8 +574,9 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         flattened = [{**c, "FLATTEN": True} for c in big[:1]]
         if problem.fp8 or not big or big[0] != tiles[0] or problem.k > 1024:
             # (For 1024 < K <= 4096 with an activation, flattened loops over the tile's column
-            # halves had led, warp-specialized: bias + gelu at 8192 x 11008, K = 4096, 1154 -> 1125
-            # us on an H100. Not measured without the specialization: plain tiles lead there now.)
+            # halves had led, asked to be warp-specialized (which Triton 3.6 does not do on sm_90,
+            # see ``_flattened_lead``): bias + gelu at 8192 x 11008, K = 4096, 1154 -> 1125 us on an
+            # H100. Plain tiles lead there now.)
             return plain + flattened
         # The first pick, measured on H100 (bf16, 128x256 tiles): flattening gained 10% at K = 512.
         p = problem
@@ -590,13 +597,12 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
 
     def bind(self, problem: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        # What runs if this config fails to build: the same tile without flattening or warp
-        # specialization (their pipelines take more shared memory: a residual epilogue overflowed
-        # it with 128x256 tiles), then the tiled kernel.
+        # What runs if this config fails to build: the same tile without flattening (its pipeline
+        # takes more shared memory: a residual epilogue overflowed it with 128x256 tiles), then the
+        # tiled kernel.
         tiled = TiledEngine().bind(p, _tile_configs(p)[0])
         plain = {**config, "FLATTEN": False}
         plain.pop("STREAM_K", None)  # a stream-K config falls back to the persistent kernel
-        plain.pop("WARP_SPECIALIZE", None)
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
         if repack_a:
@@ -604,7 +610,12 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         if repack_b:
             n_stride, k_stride = _repacked_strides(p.n, p.k, repack_b, p.dtypes[1])
             p = dataclasses.replace(p, b_strides=(0, 0, k_stride, n_stride))
-        bound = lambda c: (_stream_k_launch if c.get("STREAM_K") else _persistent_launch)(p, c)
+
+        def bound(c: LaunchConfig) -> Callable[..., None]:
+            if c.get("STREAM_K"):
+                return _stream_k_launch(p, c)
+            return (_split_tma_launch if c.get("SPLIT", 1) > 1 else _persistent_launch)(p, c)
+
         attempts = [(f"the {self.name} kernel with {c}", bound(c)) for c in configs]
         attempts.append(("the tiled kernel", tiled))
         launch = None
@@ -677,25 +688,28 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
     return None
 
 
-def _specialized_lead(p: MatmulProblem) -> LaunchConfig | None:
-    """The warp-specialized config (Triton splits the flattened loop into a load warp, an MMA warp
-    and the epilogue's warps; the epilogue over column halves) where it leads: a 16-bit product of
-    512 <= K <= 4096 with a K-major A over at least a wave of 128x128 tiles; 128x256 tiles (8
-    warps) where they keep their waves 85% busy, else 128x128 (4 warps, 5 stages for K > 1024).
+def _flattened_lead(p: MatmulProblem) -> LaunchConfig | None:
+    """The flattened config (one loop over tiles and K steps; the epilogue over column halves)
+    where it leads: a 16-bit product of 512 <= K <= 4096 with a K-major A over at least a wave of
+    128x128 tiles; 128x256 tiles (8 warps) where they keep their waves 85% busy, else 128x128 (4
+    warps, 5 stages for K > 1024).
 
-    Measured on an H200 with host-made descriptors (bf16, GPT-2 small's products, M = 8192 tokens;
-    us, the pick before -> specialized, cuBLAS): 8192x768x768 20.3 -> 16.7 (16.0) forward and
+    It had been asked to be warp-specialized too (``tl.range(warp_specialize=True)``), and its
+    gains were put down to that; Triton 3.6 leaves the loop as it is on sm_90 (the same PTX with
+    and without, 128x128 and 128x256 tiles), so what was measured is this config. Measured on an
+    H200 with host-made descriptors (bf16, GPT-2 small's products, M = 8192 tokens; us, the pick
+    before -> this, cuBLAS): 8192x768x768 20.3 -> 16.7 (16.0) forward and
     20.5 -> 16.7 (16.1) data gradient; 8192x768x3072 57.9 -> 53.7 (51.8); 8192x3072x768 58.7 ->
     58.1 (57.6); data gradients 8192x768x3072 58.1 -> 54.3 (51.8), 8192x3072x768 59.1 -> 58.7.
     With epilogues (the lead before -> specialized): 8192x3072x768 + bias + GELU-tanh storing its
     pre-activation 80.2 (paired tiles over column halves) -> 80.7; 8192x768x3072 + bias + residual
     61.7 (paired 71.8; the plain tiles that led before were not timed with it). Slight losses:
     ResNet-50's 3136x2048x1024 25.6 (paired) -> 26.4, 12544x256x1024 14.7 -> 14.8. (An M-major
-    A, a weight gradient's, was not measured: it lost with plain 128x128 tiles, see
-    ``_medium_lead``.)
+    A, a weight gradient's, was measured at one shape only: 8192x768x3072 as fast as with a K-major
+    one, 55.7 against 56.6 us; it had lost with plain 128x128 tiles, see ``_medium_lead``.)
 
     With device-made descriptors, an H200 training step of GPT-2 small had got NaN gradients now
-    and then from specialized kernels leading its 1024 < K <= 4096 data gradients (session 32; the
+    and then from these configs leading its 1024 < K <= 4096 data gradients (session 32; the
     cause was not pinned down, a host sync hid it). Descriptors are made on the host now
     (``tma._persistent_kernel``); six steps from one seed with these leads were finite and matched
     PyTorch's losses to 7.6e-6. ``tdnn.config.benchmark`` times the plain configs too.
@@ -708,15 +722,17 @@ def _specialized_lead(p: MatmulProblem) -> LaunchConfig | None:
         tile = _tile(128, 256, 64, 8, 3)
     else:
         tile = _tile(128, 128, 64, 4, 4 if p.k <= 1024 else 5)
-    return {**tile, "FLATTEN": True, "SUBTILE": True, "WARP_SPECIALIZE": True}
+    return {**tile, "FLATTEN": True, "SUBTILE": True}
 
 
 # Stream-K in 128x128 tiles (``_stream_k_kernel``): H200, bf16, GPT-2 small's MLP weight
 # gradients (768x3072 and 3072x768 over K = 8192 tokens, A = dy^T M-major; 144 such tiles on 132
 # SMs): 69.4-70.3 us against 79-80 for the pick before (128x256 tiles, one wave of 72) and 53 for
 # cuBLAS. Fewer tiles than SMs lost: 2304x768 (108 tiles) 55.5 against 43.8, 768x768 33.7 against
-# 29.1 (split over K).
-_STREAM_K = {**_tile(128, 128, 64, 4, 4), "FLATTEN": False, "STREAM_K": True}
+# 29.1 (split over K). Five stages (H200, one run, us; 4 stages -> 5, cuBLAS): 3072x768 into fp32
+# 68.0 -> 65.1 (59.9), into bf16 65.8 -> 61.6 (53.4); 768x3072 68.5 -> 62.5 (60.6), 66.6 -> 61.2
+# (53.8).
+_STREAM_K = {**_tile(128, 128, 64, 4, 5), "FLATTEN": False, "STREAM_K": True}
 
 
 def _stream_k_fits(p: MatmulProblem) -> bool:
@@ -724,6 +740,23 @@ def _stream_k_fits(p: MatmulProblem) -> bool:
     last wave under 90% busy: the stream-K kernel shares that wave's K loops out evenly."""
     tiles = cdiv(p.m, 128) * cdiv(p.n, 128)
     return _long_k(p) and p.batch == 1 and tiles >= sm_count() and _wave_util(tiles) < 0.9
+
+
+# Split over K in 128x128 tiles (``_split_tma_launch``): H200, GPT-2 small's 768 x 768 weight
+# gradient over K = 8192 tokens (A = dy^T M-major; 36 tiles split in 3 over 108 SMs): 22.0 us into
+# fp32 (21.9 into bf16) against 30.5 for the pick before (the tiled split-K kernel), 29.1 stream-K
+# over all 132 SMs (each partial tile's last arrival summing the others', 4 to a tile) and 21.4
+# for cuBLAS; split in 2 27.0, in 4 (144 programs, two waves) 32.1, 128x256 tiles 35-47.
+_SPLIT_CHUNK_STEPS = 32  # the fewest K steps (of 64) a chunk takes
+
+
+def _tma_split(p: MatmulProblem) -> int:
+    """How many K chunks the persistent kernel splits a long 16-bit reduction (``_long_k``) into,
+    where its 128x128 tiles fill at most half the SMs: as many as keep one wave (1: no split)."""
+    tiles = cdiv(p.m, 128) * cdiv(p.n, 128)
+    if not _long_k(p) or p.batch != 1 or 2 * tiles > sm_count():
+        return 1
+    return max(1, min(sm_count() // tiles, cdiv(p.k, 64) // _SPLIT_CHUNK_STEPS))
 
 
 def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:
@@ -834,18 +867,61 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
     """The persistent TMA kernel for ``p`` with ``config`` (see ``PersistentTmaEngine.configs``)."""
     # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
     # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
-    programs = min(config.get("CTAS", 1) * sm_count(), _tiles(p, config))
+    k_steps = cdiv(p.k, config["BLOCK_K"])
+    # K split in ``split`` chunks of ``k_chunk`` steps: each (chunk, tile) a unit of work.
+    k_chunk = cdiv(k_steps, config.get("SPLIT", 1)) or 1
+    split = cdiv(k_steps, k_chunk)
+    programs = min(config.get("CTAS", 1) * sm_count(), _tiles(p, config) * max(split, 1))
     subtile = config.get("SUBTILE", False)
     descriptors, ints, constexprs = _tma_arguments(p, config, programs, config["BLOCK_N"] // (1 + subtile))
     return launcher(
         _persistent_kernel,
         (programs,),
         num_tensors=10,
-        ints=ints,
-        constexprs=(*constexprs, config["FLATTEN"], subtile, config.get("WARP_SPECIALIZE", False)),
+        ints=(*ints, k_chunk),
+        constexprs=(*constexprs, config["FLATTEN"], subtile, split > 1),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         descriptors=descriptors,
+    )
+
+
+def _split_tma_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
+    """The persistent kernel over (K chunk, tile) units, each chunk's fp32 partial product in its
+    own slice of a workspace, then ``_reduce_kernel`` adding them in chunk order and running the
+    epilogue: no program waits for or reads another's sums (``_stream_k_kernel``'s last arrivals
+    did, and cost about 5 us per partial at GPT-2 small's 768 x 768 weight gradient)."""
+    k_steps = cdiv(p.k, config["BLOCK_K"])
+    split = cdiv(k_steps, cdiv(k_steps, config["SPLIT"]) or 1)
+    if split <= 1:
+        return _persistent_launch(p, {**config, "SPLIT": 1})
+    plain = dataclasses.replace(
+        p, dtypes=(*p.dtypes[:2], "float32"), out_strides=(0, 0, p.n, 1), c_strides=None,
+        residual_strides=None, bias=0, activation=-1, store_pre=False, scaled=False, amax=False,
+    )  # fmt: skip
+    partial = _persistent_launch(plain, {**config, "STORE_DESC": False, "SUBTILE": False})
+    reduce = _reduce_launch(p, split)
+
+    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
+        ws = torch.empty((split, p.m, p.n), dtype=torch.float32, device=out.device)
+        tensors, floats = rest[:7], rest[7:]
+        partial(a, b, ws, *tensors, 1.0, 0.0, *floats[2:])  # alpha and beta are the reduction's
+        reduce(ws, out, *tensors, *floats)
+
+    return run
+
+
+def _reduce_launch(p: MatmulProblem, split: int) -> Callable[..., None]:
+    """``_reduce_kernel`` for ``p``: ``split`` partial products [split, batch, M, N] in, ``p``'s
+    output (with its epilogue) out."""
+    rm, rn = 32, 64
+    return launcher(
+        _reduce_kernel,
+        (cdiv(p.m, rm) * cdiv(p.n, rn) * p.batch,),
+        num_tensors=9,
+        ints=(p.m, p.n, p.batch_inner, p.batch, split, *p.out_strides, *_epilogue_strides(p)),
+        constexprs=(*_epilogue_constexprs(p), p.index_64 or split * p.batch * p.m * p.n > 2**31 - 1, rm, rn),
+        num_warps=4,
     )
 
 
@@ -906,15 +982,7 @@ def _split_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]
     )
     if split == 1:
         return lambda *args: partial(*args[:10], args[2], *args[10:])
-    rm, rn = 32, 64
-    reduce = launcher(
-        _reduce_kernel,
-        (cdiv(p.m, rm) * cdiv(p.n, rn) * p.batch,),
-        num_tensors=9,
-        ints=(p.m, p.n, p.batch_inner, p.batch, split, *p.out_strides, *_epilogue_strides(p)),
-        constexprs=(*_epilogue_constexprs(p), index_64, rm, rn),
-        num_warps=4,
-    )
+    reduce = _reduce_launch(p, split)
     ws_dtype = torch.float64 if p.dtypes[0] == "float64" else torch.float32
 
     def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:

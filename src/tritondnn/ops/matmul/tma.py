@@ -5,8 +5,8 @@ the epilogue of one tile overlap the loads of the next, and the copy engine move
 into shared memory without registers or address arithmetic. The descriptors of A, B and (where
 stored through one) the output are made on the host (``core.launcher.Described``) and passed by
 value: made on the device, each program wrote its own into global memory and fenced before its
-first load, and GPT-2 small's 8192 x 768 x 768 product took 19.3 us warp-specialized against 16.9
-with host-made ones (H200). Out-of-bounds parts of a tile load as zeros, so neither K nor the
+first load, and GPT-2 small's 8192 x 768 x 768 product took 19.3 us against 16.9 with host-made
+ones (H200). Out-of-bounds parts of a tile load as zeros, so neither K nor the
 edges need masks.
 
 Requirements (checked by the engine): one matrix (no batch); each operand has one contiguous
@@ -27,14 +27,15 @@ from .kernels import dot, epilogue_tile, grouped
 def _persistent_kernel(
     a_desc, b_desc, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
     alpha, beta, p0, p1,
-    M, N, K, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs,
+    M, N, K, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, programs, k_chunk,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size.
+    """Arguments as ``kernels._tiled_kernel`` without the batch; ``programs``: the grid size;
+    ``k_chunk``: K steps a unit of work takes (all of them unless SPLIT_K).
 
     a_desc, b_desc: descriptors of A and B as stored, blocks of a tile's K step (see
     ``engines._tma_arguments``).
@@ -45,41 +46,47 @@ def _persistent_kernel(
     of the columns an epilogue stores; otherwise a pointer. FLATTEN: Triton pipelines the tile
     and K loops as one, so the next tile's loads are issued during this tile's epilogue. SUBTILE:
     the epilogue runs on the tile's two column halves in turn, so the first half's store is under
-    way while the second is computed. WARP_SPECIALIZE: Triton splits the loop into a load warp, an
-    MMA warp and the epilogue's warps, which run at once.
+    way while the second is computed. SPLIT_K: the units are (K chunk, tile) pairs, chunk-major, and
+    each stores its fp32 partial product, unfinished, into its chunk's M x N slice of ``out`` (a
+    workspace for ``kernels._reduce_kernel``; the epilogue constexprs are off); K chunks in step
+    let the programs running at once share their A and B tiles in L2.
     """
     OUT_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tiles_m * tiles_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # The epilogue finds its tile from a counter of its own: with the loops flattened, what the top
-    # of the body computes may already belong to the next tile.
-    tile_done = tl.program_id(0) - programs
-    for tile in tl.range(
-        tl.program_id(0), tiles_m * tiles_n, programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE
-    ):
-        pid_m, pid_n = grouped(tile, tiles_m, tiles_n, GROUP_M)
+    units = tiles * tl.cdiv(k_tiles, k_chunk) if SPLIT_K else tiles
+    # The epilogue finds its unit from a counter of its own: with the loops flattened, what the top
+    # of the body computes may already belong to the next unit.
+    unit_done = tl.program_id(0) - programs
+    for unit in tl.range(tl.program_id(0), units, programs, flatten=FLATTEN):
+        k0 = (unit // tiles) * k_chunk if SPLIT_K else 0
+        pid_m, pid_n = grouped(unit % tiles, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = _k_steps(
-            a_desc, b_desc, off_m, off_n, 0, k_tiles, tl.zeros((BLOCK_M, BLOCK_N), ACC), PRECISION, A_T, B_T,
-            BLOCK_K,
+            a_desc, b_desc, off_m, off_n, k0, tl.minimum(k0 + k_chunk, k_tiles),
+            tl.zeros((BLOCK_M, BLOCK_N), ACC), PRECISION, A_T, B_T, BLOCK_K,
         )  # fmt: skip
-        tile_done += programs
-        pid_m, pid_n = grouped(tile_done, tiles_m, tiles_n, GROUP_M)
+        unit_done += programs
+        pid_m, pid_n = grouped(unit_done % tiles, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        dst = out
+        if SPLIT_K:  # this K chunk's partial product, in its own M x N slice of a workspace
+            dst = out + (unit_done // tiles).to(tl.int64) * M * so_m
         last = acc
         if SUBTILE:  # the left half first, then the right one as the last
             left, last = acc.reshape(BLOCK_M, 2, OUT_N).permute(0, 2, 1).split()
             _finish(
-                left, off_m, off_n, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+                left, off_m, off_n, dst, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
                 scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
                 HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
             )  # fmt: skip
             off_n += OUT_N
         _finish(
-            last, off_m, off_n, out, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
+            last, off_m, off_n, dst, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr,
             scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias,
             HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, OUT_N,
         )  # fmt: skip

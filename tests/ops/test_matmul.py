@@ -624,10 +624,11 @@ def _meta_problem(m: int, n: int, k: int) -> mm_engines.MatmulProblem:
 
 def test_medium_problems_take_paired_or_flattened_tiles(monkeypatch):
     """With H100's 132 SMs: from K = 512 to 4096 over a wave of 128x128 tiles, a tile shape
-    flattened over column halves goes first (128x256 tiles where they fill their waves, else 128x128 with 5
-    stages for K > 1024); below K = 512 where 128x256 tiles would leave SMs idle, or K is a few
-    steps, two 128x128 programs per SM; up to K = 2048 with a K-major A whose 128x128 tiles fit in
-    one wave, one; a longer K keeps the order; split-K declines a K it cannot split."""
+    flattened over column halves goes first (128x256 tiles where they keep their waves 90% busy,
+    else 128x128 with 5 stages for K > 1024 or four waves of tiles); below K = 512 where 128x256
+    tiles would leave SMs idle, or K is a few steps, two 128x128 programs per SM; up to K = 2048
+    with a K-major A whose 128x128 tiles fit in one wave, one; a longer K keeps the order; split-K
+    declines a K it cannot split."""
     monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
     persistent = mm_engines.PersistentTmaEngine()
     shapes = {
@@ -649,7 +650,12 @@ def test_medium_problems_take_paired_or_flattened_tiles(monkeypatch):
     assert mm_engines._medium_lead(weight_gradient) is None
     assert (first["full waves"]["BLOCK_M"], first["full waves"]["BLOCK_N"]) == (128, 256)
     assert first["full waves"]["SUBTILE"] and not first["many"]["FLATTEN"]
-    gpt2 = {(8192, 768, 768): (128, 4), (8192, 768, 3072): (128, 5), (8192, 3072, 768): (256, 3)}
+    gpt2 = {
+        (8192, 768, 768): (128, 4),
+        (8192, 768, 3072): (128, 5),
+        (8192, 3072, 768): (256, 3),
+        (8192, 2304, 768): (128, 5),  # 128x256 tiles' waves 87% busy; 128x128 tiles 8.7 waves
+    }
     for shape, (block_n, stages) in gpt2.items():
         lead = persistent.configs(_meta_problem(*shape))[0]
         assert (lead["BLOCK_M"], lead["BLOCK_N"], lead["num_stages"]) == (128, block_n, stages)

@@ -691,8 +691,13 @@ def _medium_lead(p: MatmulProblem) -> LaunchConfig | None:
 def _flattened_lead(p: MatmulProblem) -> LaunchConfig | None:
     """The flattened config (one loop over tiles and K steps; the epilogue over column halves)
     where it leads: a 16-bit product of 512 <= K <= 4096 with a K-major A over at least a wave of
-    128x128 tiles; 128x256 tiles (8 warps) where they keep their waves 85% busy, else 128x128 (4
-    warps, 5 stages for K > 1024).
+    128x128 tiles; 128x256 tiles (8 warps) where they keep their waves 90% busy, else 128x128 (4
+    warps; 5 stages for K > 1024 or four waves of tiles or more, else 4).
+
+    H200, one run each (us; 128x256 3 stages / 128x128 at 4, 5, 6 stages; cuBLAS):
+    8192x2304x768 (128x256 waves 87% busy) 50.1 / 48.8, 47.5, 47.3 (45.3); 8192x768x768 (384
+    128x128 tiles) - / 17.3, 17.5, 17.7 (15.9), its data gradient 17.6, 17.9, 18.2 (16.4);
+    8192x768x2304 44.1, 42.4, 42.6 (40.6); 8192x3072x768 59.3 / 62.5, 61.9, 61.8 (57.8).
 
     It had been asked to be warp-specialized too (``tl.range(warp_specialize=True)``), and its
     gains were put down to that; Triton 3.6 leaves the loop as it is on sm_90 (the same PTX with
@@ -718,10 +723,11 @@ def _flattened_lead(p: MatmulProblem) -> LaunchConfig | None:
         return None
     if cdiv(p.m, 128) * cdiv(p.n, 128) < sm_count() or p.a_strides[3] != 1:  # a K-major A only
         return None
-    if _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) >= 0.85:
+    if _wave_util(cdiv(p.m, 128) * cdiv(p.n, 256)) >= 0.9:
         tile = _tile(128, 256, 64, 8, 3)
     else:
-        tile = _tile(128, 128, 64, 4, 4 if p.k <= 1024 else 5)
+        few = cdiv(p.m, 128) * cdiv(p.n, 128) < 4 * sm_count()
+        tile = _tile(128, 128, 64, 4, 4 if p.k <= 1024 and few else 5)
     return {**tile, "FLATTEN": True, "SUBTILE": True}
 
 

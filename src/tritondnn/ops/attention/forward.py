@@ -53,7 +53,7 @@ def _fwd_loop(
     HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BOUNDARY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr, VT: tl.constexpr, POS_SCALE: tl.constexpr,
+    EVEN_DV: tl.constexpr, DESC: tl.constexpr, VT: tl.constexpr, POS_SCALE: tl.constexpr,
     INDEX_64: tl.constexpr, RAGGED: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
@@ -64,7 +64,7 @@ def _fwd_loop(
     rows = row_offset(tl.arange(0, BLOCK_N), INDEX_64)
     kt_first = K_HEAD + rows[None, :] * sks + offs_d[:, None] * skd
     v_first = V_HEAD + rows[:, None] * svs + offs_dv[None, :] * svd
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid_n = offs_n < seqlen_kv
         if DESC:
@@ -150,8 +150,8 @@ def attention_fwd_kernel(
     HAS_SINKS: tl.constexpr, VARLEN: tl.constexpr, PAGE: tl.constexpr, DROPOUT: tl.constexpr,
     FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    head_dim: tl.constexpr, head_dim_v: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr,
-    VT: tl.constexpr, RAGGED: tl.constexpr, INDEX_64: tl.constexpr, POS_SCALE: tl.constexpr,
+    head_dim: tl.constexpr, head_dim_v: tl.constexpr, DESC: tl.constexpr, VT: tl.constexpr,
+    RAGGED: tl.constexpr, INDEX_64: tl.constexpr, POS_SCALE: tl.constexpr,
 ):  # fmt: skip
     """OUT = softmax(scores) @ V for BLOCK_M queries of one (batch, query head); LSE of every row."""
     # The heaviest query blocks of a causal mask are the last ones: start them first.
@@ -249,7 +249,7 @@ def attention_fwd_kernel(
             skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
             UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-            DESC, False, VT, POS_SCALE, INDEX_64, RAGGED,
+            DESC, VT, POS_SCALE, INDEX_64, RAGGED,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_loop(
         acc, l_i, m_i, q, k_head, v_head, k_desc, v_desc, bt_row, mask_row, bias_row,
@@ -259,7 +259,7 @@ def attention_fwd_kernel(
         skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
         HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
         UPCAST, False, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-        DESC, WS, VT, POS_SCALE, INDEX_64, RAGGED,
+        DESC, VT, POS_SCALE, INDEX_64, RAGGED,
     )  # fmt: skip
     if HAS_RIGHT or RAGGED:
         acc, l_i, m_i = _fwd_loop(
@@ -270,7 +270,7 @@ def attention_fwd_kernel(
             skb, sks, skd, svb, svs, svd, smq, smk, sbq, sbk,
             HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, HAS_ALIBI, SOFTCAP, PAGE, DROPOUT, FP8, PRECISION,
             UPCAST, True, BLOCK_N, BLOCK_D, BLOCK_DV, head_dim == BLOCK_D, head_dim_v == BLOCK_DV,
-            DESC, False, VT, POS_SCALE, INDEX_64, RAGGED,
+            DESC, VT, POS_SCALE, INDEX_64, RAGGED,
         )  # fmt: skip
 
     if HAS_SINKS:
@@ -374,15 +374,14 @@ def bind_forward(problem, config: dict):
     """The launcher of ``attention_fwd_kernel`` for ``problem``: call it with the 14 tensors
     (``Q, K, V, OUT, LSE, MASK, BIAS, ALIBI, SINKS, LENS_Q, LENS_KV, BT, RNG, DESCALE``) and the
     floats ``qk_scale, cap_scale, dropout_p``. Config keys: the tiles, ``num_warps``,
-    ``num_stages``, ``desc`` (tensor descriptors; pointer loads for a call with unaligned bases)
-    and ``ws`` (warp-specialize the unmasked loop)."""
+    ``num_stages``, ``desc`` (tensor descriptors; pointer loads for a call with unaligned bases)."""
     desc = bool(config.get("desc")) and descriptors_fit(problem, ("q", "k", "v"))
-    plain = _bind_forward(problem, config, False, False)
+    plain = _bind_forward(problem, config, False)
     if not desc:
         return plain
     ensure_allocator()
     vt = bool(config.get("vt", problem.fp8)) and problem.varlen != 2
-    fast = _bind_forward(problem, config, True, bool(config.get("ws")), vt)
+    fast = _bind_forward(problem, config, True, vt)
     if vt:
         # fp8 products take both operands K-major: one transposed copy of V (keys padded to 16
         # bytes) per call, a pass over V, instead of a transpose of every tile in the loop.
@@ -409,7 +408,7 @@ def bind_forward(problem, config: dict):
     return run
 
 
-def _bind_forward(problem, config: dict, desc: bool, ws: bool, vt: bool = False):
+def _bind_forward(problem, config: dict, desc: bool, vt: bool = False):
     p = problem
     v_strides = p.stride("v")
     if vt:  # the transposed copy run_vt makes: (B, Hkv, Dv, keys padded to 16)
@@ -427,7 +426,7 @@ def _bind_forward(problem, config: dict, desc: bool, ws: bool, vt: bool = False)
         has_left, has_right, p.bottom_right, p.mask is not None, p.bias is not None, p.alibi is not None,
         p.softcap, p.sinks, p.varlen, p.page, p.dropout, p.fp8, "tf32" if p.tf32 else "ieee",
         INTERPRET and p.dtype == "bfloat16", bm, bn, block_d(p.head_dim), block_d(p.head_dim_v),
-        p.head_dim, p.head_dim_v, desc, ws, vt, p.varlen != 0 or p.seqlen_kv % bn != 0, p.index_64,
+        p.head_dim, p.head_dim_v, desc, vt, p.varlen != 0 or p.seqlen_kv % bn != 0, p.index_64,
     )  # fmt: skip
     # The kernel is specialized on the sign of qk_scale (the float after the 14 tensors); each
     # launcher compiles on its first call, so a sign never used costs nothing.

@@ -430,9 +430,11 @@ _STREAM_K_CASES = {
 
 @pytest.mark.parametrize("case", list(_STREAM_K_CASES))
 @pytest.mark.parametrize("a_t", [False, True])
-def test_stream_k_kernel(case, a_t, poison, monkeypatch):
+@pytest.mark.parametrize("sums_after", [False, True])
+def test_stream_k_kernel(case, a_t, sums_after, poison, monkeypatch):
     """The stream-K variant of the Hopper kernel over the schedules above, with the epilogue,
-    bound directly (a fallback to another kernel fails the test). The same bits on a second run
+    bound directly (a fallback to another kernel fails the test), its split tiles summed by their
+    last program to arrive or by a second kernel (SUMS_AFTER). The same bits on a second run
     (on a GPU, where the programs race to arrive last; the interpreter runs them in order)."""
     m, n, k, sms, schedule = _STREAM_K_CASES[case]
     a = randn(k, m).mT if a_t else randn(m, k)
@@ -449,7 +451,7 @@ def test_stream_k_kernel(case, a_t, poison, monkeypatch):
     assert (whole, span) == schedule and slots >= 2
     engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
     config = {**engine.configs(lay.problem)[0], "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
-    config = {**config, "FLATTEN": False, "STREAM_K": True}
+    config = {**config, "FLATTEN": False, "STREAM_K": True, "SUMS_AFTER": sums_after}
     ref, ref_pre = mm.matmul_reference(a, b, epilogue=epi, **extra)
     results = []
     for _ in range(2):
@@ -507,6 +509,8 @@ def test_stream_k_leads_where_128x128_tiles_leave_the_last_wave_part_empty(monke
 
     assert leads(768, 3072, 8192) and leads(3072, 768, 8192)
     assert not leads(2304, 768, 8192) and not leads(1536, 1408, 8192) and not leads(768, 3072, 2048)
+    second = mm_engines.PersistentTmaEngine().configs(_meta_problem(768, 3072, 8192))[1]
+    assert second == {**mm_engines._STREAM_K, "SUMS_AFTER": True}  # for benchmark mode to time
 
 
 def test_split_k_leads_where_128x128_tiles_fill_at_most_half_the_sms(monkeypatch):

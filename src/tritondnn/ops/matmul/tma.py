@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ...core.arrival import last_arrival
 from ...core.numerics import convert
-from .kernels import dot, epilogue_tile, grouped
+from .kernels import dot, epilogue_tile, finish_tile, grouped
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def _stream_k_kernel(
     STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     OUT_DESC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, SUMS_AFTER: tl.constexpr,
 ):  # fmt: skip
     """``_persistent_kernel``'s product with the last wave's work split evenly over K (stream-K):
     where the tiles do not fill the last wave of SMs (GPT-2 small's MLP weight gradients: 144
@@ -117,7 +117,8 @@ def _stream_k_kernel(
     tile's first program's) of the tile's ``slots`` in ``ws`` and arrives on the tile's counter;
     the last to arrive adds the tile's partials in slot order (the same bits whoever arrives last)
     and runs the epilogue. No program waits for another. The output's blocks (OUT_DESC) are whole
-    tiles.
+    tiles. SUMS_AFTER: no arrivals; ``_stream_k_sums_kernel``, launched next, adds every split
+    tile's partials (in the same slot order) and runs its epilogue.
     """
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -160,7 +161,8 @@ def _stream_k_kernel(
             parts = ((shared + 1) * k_tiles - 1) // span - first + 1
             tile_ws = ws_ptr + shared * slots * tile_elems
             tl.store(tile_ws + (pid - first) * tile_elems + at, acc)
-            whole = last_arrival(counter_ptr + shared, parts)
+            if not SUMS_AFTER:
+                whole = last_arrival(counter_ptr + shared, parts)
             if whole:
                 # Every part loaded, its own too: keeping its own in registers beside the running
                 # sum (for the same order) made ptxas spill at 128x256 and 128x128 (sm_90).
@@ -173,6 +175,45 @@ def _stream_k_kernel(
                 scale_a_ptr, scale_b_ptr, amax_ptr, alpha, beta, p0, p1, M, N, so_m, so_n, sc_m, sc_n, sr_m,
                 sr_n, s_bias, HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX, OUT_DESC, BLOCK_N,
             )  # fmt: skip
+
+
+@triton.jit
+def _stream_k_sums_kernel(
+    ws_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+    alpha, beta, p0, p1,
+    M, N, K, so_m, so_n, sc_m, sc_n, sr_m, sr_n, s_bias, dp_tiles, span, slots,
+    HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr, SCALED: tl.constexpr, AMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SUB_M: tl.constexpr, SUB_N: tl.constexpr,
+):  # fmt: skip
+    """The split tiles of a ``_stream_k_kernel`` launch with SUMS_AFTER (same schedule arguments):
+    each program adds the partial sums of one SUB_M x SUB_N block of one shared tile in slot order
+    and finishes it; a shared tile held whole by one program (stored already) is skipped. Grid:
+    (shared tiles * blocks a tile,)."""
+    across: tl.constexpr = BLOCK_N // SUB_N
+    blocks: tl.constexpr = (BLOCK_M // SUB_M) * across
+    pid = tl.program_id(0)
+    shared = pid // blocks
+    block = pid % blocks
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    first = (shared * k_tiles) // span
+    parts = ((shared + 1) * k_tiles - 1) // span - first + 1
+    if parts > 1:
+        pid_m, pid_n = grouped(dp_tiles + shared, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+        r0 = (block // across) * SUB_M
+        c0 = (block % across) * SUB_N
+        at = (r0 + tl.arange(0, SUB_M))[:, None] * BLOCK_N + (c0 + tl.arange(0, SUB_N))[None, :]
+        tile_ws = ws_ptr + shared.to(tl.int64) * slots * (BLOCK_M * BLOCK_N)
+        acc = tl.zeros((SUB_M, SUB_N), tl.float32)
+        for part in range(parts):
+            acc += tl.load(tile_ws + part * (BLOCK_M * BLOCK_N) + at)
+        finish_tile(
+            acc, pid_m * BLOCK_M + r0 + tl.arange(0, SUB_M), pid_n * BLOCK_N + c0 + tl.arange(0, SUB_N),
+            0, M, N, 1, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_a_ptr, scale_b_ptr, amax_ptr,
+            alpha, beta, p0, p1, 0, 0, so_m, so_n, 0, 0, sc_m, sc_n, 0, 0, sr_m, sr_n, s_bias,
+            HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE, SCALED, AMAX,
+        )  # fmt: skip
 
 
 @triton.jit

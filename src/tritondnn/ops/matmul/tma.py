@@ -6,8 +6,7 @@ into shared memory without registers or address arithmetic. The descriptors of A
 stored through one) the output are made on the host (``core.launcher.Described``) and passed by
 value: made on the device, each program wrote its own into global memory and fenced before its
 first load, and GPT-2 small's 8192 x 768 x 768 product took 19.3 us against 16.9 with host-made
-ones (H200). Out-of-bounds parts of a tile load as zeros, so neither K nor the
-edges need masks.
+ones (H200). Out-of-bounds parts of a tile load as zeros, so neither K nor the edges need masks.
 
 Requirements (checked by the engine): one matrix (no batch); each operand has one contiguous
 dimension and 16-byte-aligned rows (strides and base address); Triton compiled for sm_90+.

@@ -560,8 +560,9 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
             # The split tiles summed by a second kernel: a candidate for ``config.benchmark`` (its
             # time against the last arrivals' not measured yet).
             return [_STREAM_K, {**_STREAM_K, "SUMS_AFTER": True}, *ordered]
-        if _tma_split(problem) > 1:
-            lead = {**_tile(128, 128, 64, 4, 4), "FLATTEN": False, "SPLIT": _tma_split(problem)}
+        split = _tma_split(problem)
+        if split > 1:
+            lead = {**_tile(128, 128, 64, 4, 4), "FLATTEN": False, "SPLIT": split}
         else:
             lead = _flattened_lead(problem) or _medium_lead(problem)
         return ordered if lead is None else [lead, *(c for c in ordered if c != lead)]
@@ -875,10 +876,7 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
     """The persistent TMA kernel for ``p`` with ``config`` (see ``PersistentTmaEngine.configs``)."""
     # CTAS programs per SM: two small-tile programs share an SM, so one's epilogue can run while
     # the other's MMAs do (what a ping-pong kernel does with two consumer warp groups).
-    k_steps = cdiv(p.k, config["BLOCK_K"])
-    # K split in ``split`` chunks of ``k_chunk`` steps: each (chunk, tile) a unit of work.
-    k_chunk = cdiv(k_steps, config.get("SPLIT", 1)) or 1
-    split = cdiv(k_steps, k_chunk)
+    k_chunk, split = _k_chunks(p, config)
     programs = min(config.get("CTAS", 1) * sm_count(), _tiles(p, config) * max(split, 1))
     subtile = config.get("SUBTILE", False)
     descriptors, ints, constexprs = _tma_arguments(p, config, programs, config["BLOCK_N"] // (1 + subtile))
@@ -894,13 +892,20 @@ def _persistent_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., 
     )
 
 
+def _k_chunks(p: MatmulProblem, config: LaunchConfig) -> tuple[int, int]:
+    """(K steps a chunk, chunks) of the persistent kernel's K split in ``config["SPLIT"]`` (1:
+    one chunk of all the steps; 0 chunks for K = 0)."""
+    k_steps = cdiv(p.k, config["BLOCK_K"])
+    k_chunk = cdiv(k_steps, config.get("SPLIT", 1)) or 1
+    return k_chunk, cdiv(k_steps, k_chunk)
+
+
 def _split_tma_launch(p: MatmulProblem, config: LaunchConfig) -> Callable[..., None]:
     """The persistent kernel over (K chunk, tile) units, each chunk's fp32 partial product in its
     own slice of a workspace, then ``_reduce_kernel`` adding them in chunk order and running the
     epilogue: no program waits for or reads another's sums (``_stream_k_kernel``'s last arrivals
     did, and cost about 5 us per partial at GPT-2 small's 768 x 768 weight gradient)."""
-    k_steps = cdiv(p.k, config["BLOCK_K"])
-    split = cdiv(k_steps, cdiv(k_steps, config["SPLIT"]) or 1)
+    split = _k_chunks(p, config)[1]
     if split <= 1:
         return _persistent_launch(p, {**config, "SPLIT": 1})
     plain = dataclasses.replace(

@@ -61,15 +61,16 @@ def _persistent_kernel(
     unit_done = tl.program_id(0) - programs
     for unit in tl.range(tl.program_id(0), units, programs, flatten=FLATTEN):
         k0 = (unit // tiles) * k_chunk if SPLIT_K else 0
-        pid_m, pid_n = grouped(unit % tiles, tiles_m, tiles_n, GROUP_M)
+        k1 = tl.minimum(k0 + k_chunk, k_tiles) if SPLIT_K else k_tiles
+        pid_m, pid_n = grouped(unit % tiles if SPLIT_K else unit, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = _k_steps(
-            a_desc, b_desc, off_m, off_n, k0, tl.minimum(k0 + k_chunk, k_tiles),
-            tl.zeros((BLOCK_M, BLOCK_N), ACC), PRECISION, A_T, B_T, BLOCK_K,
+            a_desc, b_desc, off_m, off_n, k0, k1, tl.zeros((BLOCK_M, BLOCK_N), ACC), PRECISION, A_T, B_T,
+            BLOCK_K,
         )  # fmt: skip
         unit_done += programs
-        pid_m, pid_n = grouped(unit_done % tiles, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n = grouped(unit_done % tiles if SPLIT_K else unit_done, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         dst = out

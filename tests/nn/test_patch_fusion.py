@@ -403,6 +403,86 @@ def test_add_into_norm_traces_in_one_graph(add_norm_calls):
     assert_close(got, ref, same, "compiled add + norm")
 
 
+class Stack(nn.Module):
+    """A pre-norm transformer's shape: an input plus a learned offset, a Sequential of
+    ``PreNormBlock``s and a final norm. Each block's last add feeds the next block's first norm
+    (and the last one's the final norm) across the blocks' boundaries."""
+
+    def __init__(self, blocks: int = 3, dim: int = 24, branch_dtype=None) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(dim))
+        self.blocks = nn.Sequential(*(PreNormBlock(dim, branch_dtype=branch_dtype) for _ in range(blocks)))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x * 2.0 + self.offset))
+
+
+STACK_SITES = [
+    ("blocks.0.norm2", "add+layer_norm"),
+    ("blocks.1.norm1", "add+layer_norm"),
+    ("blocks.1.norm2", "add+layer_norm"),
+    ("blocks.2.norm1", "add+layer_norm"),
+    ("blocks.2.norm2", "add+layer_norm"),
+    ("norm", "add+layer_norm"),
+    ("blocks.0.norm1", "add+layer_norm"),
+]
+
+
+def test_add_into_norm_across_blocks(add_norm_calls):
+    """The add ending each block of a Sequential and the norm starting the next one (or the model's
+    final norm) as one call: the model's forward runs through the blocks' code (patch makes the
+    Sequential tritondnn's). The first block's norm reads a broadcast sum: fused in the graph,
+    added unfused at run time."""
+    model, ours, report = _pair(Stack)
+    assert type(ours.blocks) is tnn.containers.Sequential
+    assert sorted(report.fused) == sorted(STACK_SITES)
+    assert "forward" in vars(ours) and all("forward" in vars(b) for b in ours.blocks)
+    _compare_steps(model, ours, randn(3, 5, 24), "stack")
+    # Three steps and eval: the six sums of two tensors of one shape each time.
+    assert add_norm_calls == [(torch.float32, torch.float32)] * 6 * 4
+    assert tnn.unpatch(ours) and "forward" not in vars(ours)
+
+
+def test_add_into_norm_across_blocks_left_to_each_block(add_norm_calls):
+    """A block with a hook (which must see its call), or one excluded, keeps the stack from being
+    run through: the blocks are fused one by one (the add inside each), as without a stack."""
+    hooked = Stack()
+    hooked.blocks[1].register_forward_pre_hook(lambda *args: None)
+    assert sorted(tnn.patch(copy.deepcopy(hooked), fuse=True).fused) == [
+        (f"blocks.{i}.norm2", "add+layer_norm") for i in range(3)
+    ]
+    model, ours, report = _pair(Stack, exclude=["blocks.1"])
+    assert sorted(report.fused) == [(f"blocks.{i}.norm2", "add+layer_norm") for i in (0, 2)]
+    _compare_steps(model, ours, randn(3, 5, 24), "stack, one block excluded")
+
+
+def test_add_into_norm_across_blocks_gives_way_to_later_hooks(add_norm_calls):
+    """Hooks registered on a block after patching (FSDP2 gathers a block's parameters in one) see
+    its call: the model's forward calls the blocks again (each fused on its own) while a block
+    has a hook, and runs through them once none has. Deep copies keep their own fused forward."""
+    model, ours, _ = _pair(Stack)
+    x = randn(3, 5, 24)
+    seen = []
+    handle = ours.blocks[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    _compare_steps(model, ours, x, "stack with a hooked block", steps=1)
+    assert seen and len(add_norm_calls) == 3 * 2  # three blocks' own adds, output and gradients
+    handle.remove()
+    add_norm_calls.clear()
+    twin = copy.deepcopy(ours)
+    assert twin.forward.__self__.module is twin and twin.forward.__self__.through[0] is twin.blocks
+    assert_close(twin(x), model.double()(x.double()), model.float()(x), "deep copy")
+    assert len(add_norm_calls) == 6 and len(seen) == 2
+
+
+def test_add_into_norm_across_blocks_with_a_narrower_branch(add_norm_calls):
+    model, ours, report = _pair(lambda: Stack(branch_dtype=torch.bfloat16))
+    assert sorted(report.fused) == sorted(STACK_SITES)
+    _compare_steps(model, ours, randn(3, 5, 24), "stack, bf16 branches")
+    # Each block's f branch is bf16 (its sum feeds norm2), its g branch fp32 (the next norm1).
+    assert set(add_norm_calls) == {(torch.float32, torch.bfloat16), (torch.float32, torch.float32)}
+
+
 def test_add_into_norm_left_alone_where_tracing_would_change_the_code(add_norm_calls):
     """Not fused: a sum changed in place before the norm reads it; modules whose forward has a
     default argument, a branch or a ``with`` block (not traced for this pattern at all)."""

@@ -16,11 +16,16 @@ two to four, forward and backward, and no intermediate tensors between batch nor
 them between its collectives) but not the convolution before it. ``norm(a + b)`` of a
 tritondnn LayerNorm or RMSNorm becomes ``add_norm``: the norm and the sum, which nodes after the
 norm may read too, from one pass (``tdnn.add_layer_norm``/``add_rms_norm``) where the operands
-allow at run time, the add and the norm as written otherwise. Only modules whose forward is
-straight-line code are traced for it (no branches, loops or ``with`` blocks, no default
-arguments): a trace would bake in the branches taken and drop context managers such as
-``torch.no_grad()``, which transformer blocks often use. The graph calls the same child modules (their
-parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
+allow at run time, the add and the norm as written otherwise. A transformer's stack (a Sequential
+of such blocks, a child of a module whose own forward is traced) is traced through: each block's
+last add and the next block's first norm (or the model's final norm) meet in the model's graph
+and fuse too, so no residual-stream add is left on its own, forward or backward (autograd's sum of
+the two gradients of a block's input). While a block has hooks (FSDP2 registers its own after
+patching), the model's forward calls the blocks instead, each fused on its own. Only modules
+whose forward is straight-line code are traced for it (no branches, loops or ``with`` blocks, no
+default arguments): a trace would bake in the branches taken and drop context managers such as
+``torch.no_grad()``, which transformer blocks often use. The graph calls the same child modules
+(their parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
 ``train()``/``eval()`` are unaffected.
 
 The traced graph fixes the Python control flow of the forward it recorded: a module whose traced
@@ -36,7 +41,7 @@ import ast
 import inspect
 import operator
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,10 +59,27 @@ _ADD_FUNCTIONS = (operator.add, torch.add)
 
 
 class _ChildrenAsLeaves(fx.Tracer):
-    """Records calls of every child module as single nodes: only the traced module's own code."""
+    """Records calls of every child module as single nodes: only the traced module's own code,
+    and the code of the modules in ``through`` (ids): a sequence of blocks (``_block_sequence``)
+    and its blocks, whose calls are replaced by what they run, so that the add ending one block
+    and the norm starting the next meet in one graph."""
+
+    def __init__(self, through: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.through = through
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
+        return id(m) not in self.through
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if id(m) in self.through and isinstance(m, nn.Sequential):
+            # Each block on the last one's output, as torch's Sequential runs them (tritondnn's
+            # fuses neighbouring pairs, which a sequence of blocks does not have).
+            (value,) = args
+            for block in m:
+                value = block(value)
+            return value
+        return super().call_module(m, forward, args, kwargs)
 
 
 def batch_norm_relu(module: nn.Module, input: torch.Tensor, residual: torch.Tensor | None) -> Any:
@@ -249,26 +271,68 @@ def _straight_line(module: nn.Module) -> bool:
     return not any(isinstance(n, control) for n in ast.walk(tree.body[0]))
 
 
+def _users_code(module: nn.Module) -> bool:
+    return not type(module).__module__.startswith(("torch.", f"{__package__}."))
+
+
 def _own_module(module: nn.Module) -> bool:
     """A module whose forward is the user's code (not torch.nn's or tritondnn's) with a batch norm
-    of tritondnn's among its direct children, or a layer norm or an RMS norm and a forward of
-    straight-line code."""
-    cls = type(module)
-    if cls.__module__.startswith(("torch.", f"{__package__}.")):
+    of tritondnn's among its direct children, or with a layer norm, an RMS norm or a sequence of
+    blocks (``_block_sequence``) among them and a forward of straight-line code."""
+    if not _users_code(module):
         return False
     if any(relu_fusable_batch_norm(c) for c in module.children()):
         return True
-    return any(_is_norm_after_add(c) for c in module.children()) and _straight_line(module)
+    children = list(module.children())
+    return any(_is_norm_after_add(c) or _block_sequence(c) for c in children) and _straight_line(module)
 
 
-def _trace(module: nn.Module) -> tuple[fx.Graph | None, str]:
-    """The module's forward graph (children as calls), or None and why not."""
+def _norm_block(module: nn.Module) -> bool:
+    """A pre-norm transformer block, as far as fusion can tell: the user's module, no hooks, a
+    forward of straight-line code, a tritondnn layer or RMS norm among its children."""
+    return (
+        _users_code(module)
+        and not _hooked(module)
+        and any(_is_norm_after_add(c) for c in module.children())
+        and _straight_line(module)
+    )
+
+
+def _block_sequence(module: nn.Module) -> bool:
+    """A Sequential (torch's or tritondnn's, no hooks) of ``_norm_block`` modules: a transformer's
+    stack, where each block's last add feeds the next block's first norm."""
+    return (
+        isinstance(module, nn.Sequential)
+        and len(module) > 0
+        and not _hooked(module)
+        and all(_norm_block(m) for m in module)
+    )
+
+
+def _through(module: nn.Module, name: str, selected: Callable[[str, nn.Module], bool]) -> list[nn.Module]:
+    """The block sequences among ``module``'s children, and their blocks, that its trace runs
+    through (all of them ``selected``); empty unless ``module``'s forward is straight-line code."""
+    if not _straight_line(module):
+        return []
+    through: list[nn.Module] = []
+    for child_name, child in module.named_children():
+        path = f"{name}.{child_name}" if name else child_name
+        if not (_block_sequence(child) and selected(path, child)):
+            continue
+        blocks = list(child.named_children())
+        if all(selected(f"{path}.{n}", b) for n, b in blocks):
+            through += [child, *(b for _, b in blocks)]
+    return through
+
+
+def _trace(module: nn.Module, through: Sequence[nn.Module] = ()) -> tuple[fx.Graph | None, str]:
+    """The module's forward graph (children as calls, except ``through``'s), or None and why not."""
     modes = [(m, m.training) for m in module.modules()]
     graphs = []
     try:
         for training in (True, False):
             module.train(training)
-            graphs.append(_ChildrenAsLeaves().trace(module))
+            graphs.append(_ChildrenAsLeaves(frozenset(map(id, through))).trace(module))
     except Exception as e:
         return None, f"not traceable by torch.fx ({type(e).__name__}: {e})"
     finally:
@@ -291,7 +355,11 @@ def fuse_norms(
     for name, module in model.named_modules():
         if FUSED_FORWARD in vars(module) or not _own_module(module) or not selected(name, module):
             continue
-        graph, why = _trace(module)
+        through = _through(module, name, selected)
+        graph, why = _trace(module, through)
+        if graph is None and through:  # the blocks may still be fused one by one
+            through = []
+            graph, why = _trace(module)
         if graph is None:
             skipped.append((name, type(module).__name__, why))
             continue
@@ -303,10 +371,31 @@ def fuse_norms(
         # The GraphModule holds the same child modules (not copies); the forward it compiled
         # becomes this instance's.
         rewritten = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Fused")
-        module.forward = rewritten.forward
+        module.forward = _UnlessHooked(module, rewritten, through).forward if through else rewritten.forward
         setattr(module, FUSED_FORWARD, True)
-        fused += [(f"{name}.{target}" if name else target, pattern) for target, pattern in sites]
+        # The blocks run through are fused one by one too (what runs when they have hooks): each
+        # site is reported once.
+        for target, pattern in sites:
+            site = (f"{name}.{target}" if name else target, pattern)
+            if site not in fused:
+                fused.append(site)
     return fused, skipped
+
+
+class _UnlessHooked:
+    """The forward of a module whose fused graph runs through blocks' code (``through``), while
+    none of them has hooks; once one has (FSDP2's, which gather a block's parameters before it
+    runs, are registered after patching), the module's class forward, which calls the blocks
+    (each fused on its own). A bound method of this object is the module's forward: a deep copy
+    of the model copies it along, as it copies a GraphModule's bound forward."""
+
+    def __init__(self, module: nn.Module, fused: fx.GraphModule, through: Sequence[nn.Module]) -> None:
+        self.module, self.fused, self.through = module, fused, list(through)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(_hooked(m) for m in self.through):
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.fused.forward(*args, **kwargs)
 
 
 def unfuse(model: nn.Module) -> int:

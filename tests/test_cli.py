@@ -61,6 +61,26 @@ def test_bench_match_selects_cases(tmp_path):
     assert cases and all(c.startswith("copy ") for c in cases)
 
 
+def test_bench_kernels_prints_each_providers_kernels():
+    """``--kernels N``: after each case, each provider's device time a call and its N longest
+    kernels (from the profiler, on a GPU; the interpreter says it has none)."""
+    result = _cli("bench", "softmax", "--quick", "--match", "COPY", "--kernels", "2")
+    assert result.returncode == 0, result.stderr
+    if ON_GPU:
+        assert "ms of device work a call in" in result.stdout
+    else:
+        assert "kernel profiles need a GPU" in result.stdout
+
+
+def test_kernel_summary_sums_by_name_per_call():
+    from tritondnn.bench import summarize_kernels
+
+    events = [("gemm", 30.0), ("add", 2.0), ("gemm", 34.0), ("add", 2.0), ("add", 4.0), ("copy", 1.0)]
+    profile = summarize_kernels(events, calls=2)
+    assert profile.ms == pytest.approx(73.0 / 2 / 1e3) and profile.count == 3.0
+    assert profile.kernels == [("gemm", 32.0, 1.0), ("add", 4.0, 1.5), ("copy", 0.5, 0.5)]
+
+
 def test_bench_launches_the_distributed_suite(tmp_path):
     if ON_GPU and torch.cuda.device_count() < 2:
         pytest.skip("one process per GPU: needs two GPUs")

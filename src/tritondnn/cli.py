@@ -65,6 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--plot", metavar="FILE", help="write a chart (PNG) here")
     b.add_argument("--quick", action="store_true", help="a few representative cases")
     b.add_argument("--match", metavar="TEXT", help="only the cases whose name contains TEXT")
+    b.add_argument(
+        "--kernels",
+        metavar="N",
+        type=int,
+        default=0,
+        help="after each case, each provider's device time a call and its N longest kernels (GPU)",
+    )
     sub.add_parser("info", help="backend, device, versions, config, cache location, engines")
     a = sub.add_parser("autotune", help="fill the autotune cache for the benchmark cases")
     a.add_argument("suites", nargs="*", metavar="SUITE")
@@ -77,7 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         try:
             bench.run(
-                args.suites, quick=args.quick, json_path=args.json, plot_path=args.plot, match=args.match
+                args.suites,
+                quick=args.quick,
+                json_path=args.json,
+                plot_path=args.plot,
+                match=args.match,
+                kernels=args.kernels,
             )
         except ValueError as exc:
             parser.error(str(exc))

@@ -185,15 +185,61 @@ class Table:
             )
 
 
+@dataclasses.dataclass
+class KernelProfile:
+    """The device work of one call, from the profiler: kernel (and memcpy/memset) time and count
+    a call, and each kernel name's share, longest first."""
+
+    ms: float
+    count: float
+    kernels: list[tuple[str, float, float]]  # (name, microseconds a call, launches a call)
+
+
+def summarize_kernels(events: Iterable[tuple[str, float]], calls: int) -> KernelProfile:
+    """``KernelProfile`` of ``calls`` calls' device events, given as (name, microseconds)."""
+    time: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for name, us in events:
+        time[name] = time.get(name, 0.0) + us
+        count[name] = count.get(name, 0) + 1
+    kernels = sorted(((n, t / calls, count[n] / calls) for n, t in time.items()), key=lambda k: -k[1])
+    return KernelProfile(sum(time.values()) / calls / 1e3, sum(count.values()) / calls, kernels)
+
+
+def kernel_profile(fn: Callable[[], object], calls: int = 3) -> KernelProfile:
+    """``fn``'s device work a call: torch.profiler over ``calls`` calls (after one unprofiled call),
+    the device's activity only (kernels of CUDA graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device = torch.autograd.DeviceType.CUDA
+    events = ((e.name, e.device_time) for e in prof.events() if e.device_type == device)
+    return summarize_kernels(events, calls)
+
+
+def print_kernels(provider: str, profile: KernelProfile, top: int, echo: Callable[[str], None]) -> None:
+    echo(f"  {provider}: {profile.ms:.3f} ms of device work a call in {profile.count:.0f} kernels")
+    for name, us, launches in profile.kernels[:top]:
+        echo(f"    {us:10.1f} us {launches:6.0f}x  {name[:110]}")
+
+
 def run_cases(
     suite: str,
     cases: Iterable[Case],
     table: Table,
     rows: list[Row] | None = None,
     timer: Callable[[Case, Callable[[], object]], float] = _time,
+    kernels: int = 0,
 ) -> list[Row]:
     """Time every provider of every case with ``timer(case, fn)`` (milliseconds), appending to
-    ``rows`` (returned) case by case; each case's tensors are freed before the next is made."""
+    ``rows`` (returned) case by case; each case's tensors are freed before the next is made.
+    ``kernels``: after each case, print that many of each provider's longest kernels (a GPU's
+    profiler; host-timed cases have none)."""
     rows = [] if rows is None else rows
     for case in cases:
         if case.prepare is not None:
@@ -206,6 +252,9 @@ def run_cases(
             measured.append(Row(suite, case.name, provider, ms, tflops, gbps))
         table.add(case, measured)
         rows += measured
+        if kernels and not case.host and not INTERPRET:
+            for provider, fn in case.providers.items():
+                print_kernels(provider, kernel_profile(fn), kernels, table.echo)
     return rows
 
 
@@ -217,14 +266,18 @@ def run(
     plot_path: str | None = None,
     match: str | None = None,
     echo: Callable[[str], None] = print,
+    kernels: int = 0,
 ) -> list[Row]:
     """Run the named suites (all when empty), only their cases whose name contains ``match``
-    (case-insensitive) if given, and write the results JSON and chart if asked."""
+    (case-insensitive) if given, and write the results JSON and chart if asked. ``kernels``: print
+    each provider's longest kernels after each case (``run_cases``); GPUs only."""
     unknown = [s for s in suites if s not in SUITES + LAUNCHED]
     if unknown:
         raise ValueError(f"unknown suite(s) {', '.join(unknown)}; available: {', '.join(SUITES + LAUNCHED)}")
     rows: list[Row] = []
     echo(f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if kernels and INTERPRET:
+        echo("(--kernels: kernel profiles need a GPU; the interpreter has none)")
     try:
         for suite in suites or SUITES:
             module = importlib.import_module(f"{__name__}.{suite}")
@@ -235,7 +288,7 @@ def run(
             cases = module.cases(quick)
             if match:
                 cases = (c for c in cases if match.lower() in c.name.lower())
-            run_cases(suite, cases, Table(echo), rows)
+            run_cases(suite, cases, Table(echo), rows, kernels=kernels)
     except KeyboardInterrupt:  # a time limit's SIGINT: keep what was measured
         echo(f"\ninterrupted: writing the {len(rows)} rows measured so far")
     if json_path:

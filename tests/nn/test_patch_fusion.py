@@ -391,18 +391,6 @@ def test_add_into_norm_falls_back_quietly(add_norm_calls):
     assert tnn.patch(hooked, fuse=True).fused == []
 
 
-def test_add_into_norm_traces_in_one_graph(add_norm_calls):
-    torch._dynamo.reset()
-    model, ours, report = _pair(lambda: PreNormBlock(branch_dtype=torch.bfloat16))
-    assert report.fused
-    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
-    x = randn(2, 3, 24)
-    ref, _ = _run(copy.deepcopy(model).double(), x.double(), 0)
-    got, _ = _run(compiled, x, 0)
-    same, _ = _run(model, x, 0)
-    assert_close(got, ref, same, "compiled add + norm")
-
-
 class Stack(nn.Module):
     """A pre-norm transformer's shape: an input plus a learned offset, a Sequential of
     ``PreNormBlock``s and a final norm. Each block's last add feeds the next block's first norm
@@ -473,6 +461,21 @@ def test_add_into_norm_across_blocks_gives_way_to_later_hooks(add_norm_calls):
     assert twin.forward.__self__.module is twin and twin.forward.__self__.through[0] is twin.blocks
     assert_close(twin(x), model.double()(x.double()), model.float()(x), "deep copy")
     assert len(add_norm_calls) == 6 and len(seen) == 2
+
+
+@pytest.mark.parametrize("model_name", ["block", "stack"])
+def test_add_into_norm_traces_in_one_graph(model_name, add_norm_calls):
+    """A fused block, and a stack fused across its blocks, compile whole (fullgraph)."""
+    torch._dynamo.reset()
+    make = (lambda: PreNormBlock(branch_dtype=torch.bfloat16)) if model_name == "block" else Stack
+    model, ours, report = _pair(make)
+    assert ("blocks.1.norm1", "add+layer_norm") in report.fused if model_name == "stack" else report.fused
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x = randn(2, 3, 24)
+    ref, _ = _run(copy.deepcopy(model).double(), x.double(), 0)
+    got, _ = _run(compiled, x, 0)
+    same, _ = _run(model, x, 0)
+    assert_close(got, ref, same, f"compiled {model_name}")
 
 
 def test_add_into_norm_across_blocks_with_a_narrower_branch(add_norm_calls):

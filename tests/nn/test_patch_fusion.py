@@ -458,9 +458,72 @@ def test_add_into_norm_across_blocks_gives_way_to_later_hooks(add_norm_calls):
     handle.remove()
     add_norm_calls.clear()
     twin = copy.deepcopy(ours)
-    assert twin.forward.__self__.module is twin and twin.forward.__self__.through[0] is twin.blocks
+    assert twin.forward.__self__.module is twin and twin.forward.__self__.stacks[0][1] is twin.blocks
     assert_close(twin(x), model.double()(x.double()), model.float()(x), "deep copy")
     assert len(add_norm_calls) == 6 and len(seen) == 2
+
+
+def _same_outputs(model, ours, x, what):
+    with torch.no_grad():
+        assert_close(ours(x), copy.deepcopy(model).double()(x.double()), model(x), what)
+
+
+def test_add_into_norm_across_blocks_follows_the_stack_as_it_is(add_norm_calls):
+    """A stack changed after patching (a block removed, replaced, or wrapped as activation
+    checkpointing wraps them) runs as it is now: the model's forward calls its blocks."""
+    x = randn(2, 3, 24)
+    model, ours, _ = _pair(Stack)
+    del model.blocks[2], ours.blocks[2]
+    _same_outputs(model, ours, x, "a block removed")
+    model, ours, _ = _pair(Stack)
+    torch.manual_seed(1)
+    model.blocks[1] = PreNormBlock().to(DEVICE)
+    ours.blocks[1] = copy.deepcopy(model.blocks[1])
+    _same_outputs(model, ours, x, "a block replaced")
+    model.blocks = nn.Sequential(*model.blocks[:1])
+    ours.blocks = copy.deepcopy(model.blocks)
+    _same_outputs(model, ours, x, "the stack replaced")
+
+
+def test_add_into_norm_hooks_after_patching_see_the_norm(add_norm_calls):
+    """A hook registered after patching on a norm fused with the add before it sees the norm's
+    call (the add and the norm run as written), here the model's final norm and a block's first."""
+    model, ours, _ = _pair(Stack)
+    seen = []
+    for name in ("norm", "blocks.1.norm1"):
+        ours.get_submodule(name).register_forward_hook(lambda m, args, out, name=name: seen.append(name))
+    _same_outputs(model, ours, randn(2, 3, 24), "hooked norms")
+    assert sorted(seen) == ["blocks.1.norm1", "norm"]
+
+
+def test_stacks_left_alone(add_norm_calls):
+    """Not run through: a Sequential subclass with a forward of its own (patch leaves it, and
+    its code must run), and a stack called inside torch.utils.checkpoint (a trace would drop the
+    checkpoint and keep what it recomputes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Halving(nn.Sequential):
+        def forward(self, x):
+            for block in self:
+                x = block(x) * 0.5
+            return x
+
+    class Checkpointed(Stack):
+        def forward(self, x):
+            return self.norm(checkpoint(self.blocks, x * 2.0 + self.offset, use_reentrant=False))
+
+    def halving():
+        stack = Stack()
+        stack.blocks = Halving(*stack.blocks)
+        return stack
+
+    x = randn(2, 3, 24)
+    model, ours, report = _pair(halving)
+    assert sorted(report.fused) == [(f"blocks.{i}.norm2", "add+layer_norm") for i in range(3)]
+    _same_outputs(model, ours, x, "Sequential subclass")
+    model, ours, report = _pair(Checkpointed)
+    assert "forward" not in vars(ours) and ("norm", "add+layer_norm") not in report.fused
+    _same_outputs(model, ours, x, "checkpointed stack")
 
 
 @pytest.mark.parametrize("model_name", ["block", "stack"])

@@ -21,18 +21,21 @@ of such blocks, a child of a module whose own forward is traced) is traced throu
 last add and the next block's first norm (or the model's final norm) meet in the model's graph
 and fuse too, so no residual-stream add is left on its own, forward or backward (autograd's sum of
 the two gradients of a block's input). While a block has hooks (FSDP2 registers its own after
-patching), the model's forward calls the blocks instead, each fused on its own. Only modules
+patching), or the stack no longer holds the blocks it was traced with (a block removed, replaced
+or wrapped), the model's forward calls the blocks instead, each fused on its own. Only modules
 whose forward is straight-line code are traced for it (no branches, loops or ``with`` blocks, no
 default arguments): a trace would bake in the branches taken and drop context managers such as
-``torch.no_grad()``, which transformer blocks often use. The graph calls the same child modules
-(their parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
+``torch.no_grad()``, which transformer blocks often use; nor is a module that calls a child
+inside ``torch.utils.checkpoint``, which would leave no node in the graph. The graph calls the same
+child modules (their parameters, buffers, train/eval state), so ``state_dict``, the optimizer and
 ``train()``/``eval()`` are unaffected.
 
 The traced graph fixes the Python control flow of the forward it recorded: a module whose traced
 code differs between train and eval mode, or that cannot be traced, is left alone and reported.
 Tracing also records ``a += b`` as ``a = a + b`` (an augmented assignment on a traced value), so
 a forward that relies on such an add changing a tensor seen elsewhere must not be fused. Hooks
-registered on the fused modules after patching are not called for the fused pair.
+registered after patching on a fused norm after an add are called (the add and the norm then run
+as written); on the modules of the other fused patterns they are not.
 """
 
 from __future__ import annotations
@@ -40,14 +43,17 @@ from __future__ import annotations
 import ast
 import inspect
 import operator
+import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import fx, nn
 
+from .containers import Sequential
 from .conv_bn import conv_batch_norm
 from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_norm, relu_fusable_batch_norm
 
@@ -55,7 +61,24 @@ from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_nor
 FUSED_FORWARD = "_tdnn_fused_forward"
 
 _RELU_FUNCTIONS = (F.relu, torch.relu, torch.relu_, F.relu_)
+_SEQUENTIAL_FORWARDS = (nn.Sequential.forward, Sequential.forward)
 _ADD_FUNCTIONS = (operator.add, torch.add)
+
+
+class _Checkpointed(Exception):
+    """A module call made inside ``torch.utils.checkpoint``: a trace would drop the checkpoint."""
+
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+
+
+def _inside_checkpoint() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _ChildrenAsLeaves(fx.Tracer):
@@ -72,6 +95,10 @@ class _ChildrenAsLeaves(fx.Tracer):
         return id(m) not in self.through
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # torch.utils.checkpoint runs its function under the trace like any other code and leaves
+        # no node of its own: a rewritten forward would store what the checkpoint recomputes.
+        if _inside_checkpoint():
+            raise _Checkpointed(f"{type(m).__name__} is called inside torch.utils.checkpoint")
         if id(m) in self.through and isinstance(m, nn.Sequential):
             # Each block on the last one's output, as torch's Sequential runs them (tritondnn's
             # fuses neighbouring pairs, which a sequence of blocks does not have).
@@ -92,9 +119,10 @@ def add_norm(module: nn.Module, a: Any, b: Any) -> tuple[Any, Any]:
     """``(module(a + b), a + b)`` for a tritondnn LayerNorm or RMSNorm ``module``: one pass of its
     ``forward_add`` where the operands allow (tensors of one shape and device, the sum in the
     dtype of one of them: that one is the norm's input, the other its residual), else the add
-    as written (broadcasting, promotion) and then the module."""
+    as written (broadcasting, promotion) and then the module (also where the module has hooks,
+    registered after patching: they see its call)."""
     tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    if tensors and a.shape == b.shape and a.device == b.device:
+    if tensors and a.shape == b.shape and a.device == b.device and not _hooked(module):
         wide = torch.promote_types(a.dtype, b.dtype)
         if a.is_floating_point() and b.is_floating_point() and wide in (a.dtype, b.dtype):
             return module.forward_add(a, b) if wide == a.dtype else module.forward_add(b, a)
@@ -299,10 +327,11 @@ def _norm_block(module: nn.Module) -> bool:
 
 
 def _block_sequence(module: nn.Module) -> bool:
-    """A Sequential (torch's or tritondnn's, no hooks) of ``_norm_block`` modules: a transformer's
-    stack, where each block's last add feeds the next block's first norm."""
+    """A Sequential (torch's or tritondnn's, not a subclass with a forward of its own; no hooks)
+    of ``_norm_block`` modules: a transformer's stack, where each block's last add feeds the next
+    block's first norm."""
     return (
-        isinstance(module, nn.Sequential)
+        type(module).forward in _SEQUENTIAL_FORWARDS
         and len(module) > 0
         and not _hooked(module)
         and all(_norm_block(m) for m in module)
@@ -383,19 +412,37 @@ def fuse_norms(
 
 
 class _UnlessHooked:
-    """The forward of a module whose fused graph runs through blocks' code (``through``), while
-    none of them has hooks; once one has (FSDP2's, which gather a block's parameters before it
-    runs, are registered after patching), the module's class forward, which calls the blocks
-    (each fused on its own). A bound method of this object is the module's forward: a deep copy
-    of the model copies it along, as it copies a GraphModule's bound forward."""
+    """The forward of a module whose fused graph runs through stacks of blocks (``through``), while
+    the stacks are as they were traced (the same Sequentials holding the same blocks: not
+    shortened, replaced or wrapped, e.g. for activation checkpointing) and none of them has hooks;
+    otherwise (FSDP2 registers hooks that gather a block's parameters before it runs, after
+    patching) the module's class forward, which calls the blocks (each fused on its own). A bound
+    method of this object is the module's forward: a deep copy of the model copies it along, as
+    it copies a GraphModule's bound forward."""
 
     def __init__(self, module: nn.Module, fused: fx.GraphModule, through: Sequence[nn.Module]) -> None:
-        self.module, self.fused, self.through = module, fused, list(through)
+        self.module, self.fused = module, fused
+        # (the child's name, the Sequential, its blocks) of each stack.
+        self.stacks = [
+            (name, child, tuple(child._modules.values()))
+            for name, child in module.named_children()
+            if any(child is m for m in through)
+        ]
+
+    def _as_traced(self) -> bool:
+        children = self.module._modules
+        for name, stack, blocks in self.stacks:
+            if children.get(name) is not stack or _hooked(stack):
+                return False
+            now = tuple(stack._modules.values())
+            if len(now) != len(blocks) or any(a is not b or _hooked(a) for a, b in zip(now, blocks)):
+                return False
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if any(_hooked(m) for m in self.through):
-            return type(self.module).forward(self.module, *args, **kwargs)
-        return self.fused.forward(*args, **kwargs)
+        if self._as_traced():
+            return self.fused.forward(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
 
 def unfuse(model: nn.Module) -> int:

@@ -338,30 +338,35 @@ def _block_sequence(module: nn.Module) -> bool:
     )
 
 
-def _through(module: nn.Module, name: str, selected: Callable[[str, nn.Module], bool]) -> list[nn.Module]:
-    """The block sequences among ``module``'s children, and their blocks, that its trace runs
-    through (all of them ``selected``); empty unless ``module``'s forward is straight-line code."""
+# A stack a trace runs through: the child's name, the Sequential, its blocks.
+_Stack = tuple[str, nn.Module, tuple[nn.Module, ...]]
+
+
+def _stacks(module: nn.Module, name: str, selected: Callable[[str, nn.Module], bool]) -> list[_Stack]:
+    """The block sequences among ``module``'s children that its trace runs through (they and
+    their blocks ``selected``); none unless ``module``'s forward is straight-line code."""
     if not _straight_line(module):
         return []
-    through: list[nn.Module] = []
+    stacks = []
     for child_name, child in module.named_children():
         path = f"{name}.{child_name}" if name else child_name
         if not (_block_sequence(child) and selected(path, child)):
             continue
-        blocks = list(child.named_children())
-        if all(selected(f"{path}.{n}", b) for n, b in blocks):
-            through += [child, *(b for _, b in blocks)]
-    return through
+        if all(selected(f"{path}.{n}", b) for n, b in child.named_children()):
+            stacks.append((child_name, child, tuple(child.children())))
+    return stacks
 
 
-def _trace(module: nn.Module, through: Sequence[nn.Module] = ()) -> tuple[fx.Graph | None, str]:
-    """The module's forward graph (children as calls, except ``through``'s), or None and why not."""
+def _trace(module: nn.Module, stacks: Sequence[_Stack] = ()) -> tuple[fx.Graph | None, str]:
+    """The module's forward graph (children as calls, except ``stacks``' Sequentials and blocks,
+    run through), or None and why not."""
+    through = frozenset(id(m) for _, stack, blocks in stacks for m in (stack, *blocks))
     modes = [(m, m.training) for m in module.modules()]
     graphs = []
     try:
         for training in (True, False):
             module.train(training)
-            graphs.append(_ChildrenAsLeaves(frozenset(map(id, through))).trace(module))
+            graphs.append(_ChildrenAsLeaves(through).trace(module))
     except Exception as e:
         return None, f"not traceable by torch.fx ({type(e).__name__}: {e})"
     finally:
@@ -384,10 +389,10 @@ def fuse_norms(
     for name, module in model.named_modules():
         if FUSED_FORWARD in vars(module) or not _own_module(module) or not selected(name, module):
             continue
-        through = _through(module, name, selected)
-        graph, why = _trace(module, through)
-        if graph is None and through:  # the blocks may still be fused one by one
-            through = []
+        stacks = _stacks(module, name, selected)
+        graph, why = _trace(module, stacks)
+        if graph is None and stacks:  # the blocks may still be fused one by one
+            stacks = []
             graph, why = _trace(module)
         if graph is None:
             skipped.append((name, type(module).__name__, why))
@@ -400,7 +405,7 @@ def fuse_norms(
         # The GraphModule holds the same child modules (not copies); the forward it compiled
         # becomes this instance's.
         rewritten = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Fused")
-        module.forward = _UnlessHooked(module, rewritten, through).forward if through else rewritten.forward
+        module.forward = _WhileAsTraced(module, rewritten, stacks).forward if stacks else rewritten.forward
         setattr(module, FUSED_FORWARD, True)
         # The blocks run through are fused one by one too (what runs when they have hooks): each
         # site is reported once.
@@ -411,23 +416,17 @@ def fuse_norms(
     return fused, skipped
 
 
-class _UnlessHooked:
-    """The forward of a module whose fused graph runs through stacks of blocks (``through``), while
-    the stacks are as they were traced (the same Sequentials holding the same blocks: not
+class _WhileAsTraced:
+    """The forward of a module whose fused graph runs through stacks of blocks, while the stacks
+    are as they were traced (the same Sequentials holding the same blocks: not
     shortened, replaced or wrapped, e.g. for activation checkpointing) and none of them has hooks;
     otherwise (FSDP2 registers hooks that gather a block's parameters before it runs, after
     patching) the module's class forward, which calls the blocks (each fused on its own). A bound
     method of this object is the module's forward: a deep copy of the model copies it along, as
     it copies a GraphModule's bound forward."""
 
-    def __init__(self, module: nn.Module, fused: fx.GraphModule, through: Sequence[nn.Module]) -> None:
-        self.module, self.fused = module, fused
-        # (the child's name, the Sequential, its blocks) of each stack.
-        self.stacks = [
-            (name, child, tuple(child._modules.values()))
-            for name, child in module.named_children()
-            if any(child is m for m in through)
-        ]
+    def __init__(self, module: nn.Module, fused: fx.GraphModule, stacks: Sequence[_Stack]) -> None:
+        self.module, self.fused, self.stacks = module, fused, list(stacks)
 
     def _as_traced(self) -> bool:
         children = self.module._modules

@@ -119,6 +119,52 @@ def test_rows_longer_than_one_block():
     _check(x, _targets((3,), classes), weight=torch.rand(classes, device=DEVICE) + 0.5, reduction="none")
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("vectors", [True, False])
+def test_gradient_stored_in_whole_vectors(vectors, label_smoothing, monkeypatch):
+    """Rows of 4099 fp16 classes: the gradient's rows, padded to 4104, are stored in whole
+    16-byte vectors (the padding written zero) or one class at a time; both give the reference's
+    loss and gradient."""
+    n_rows, n_cols = 8, 4099
+    x = randn(n_rows, n_cols, dtype=torch.float16, scale=3.0)
+    configs = ce.OnlineRowEngine.configs
+
+    def only(engine, problem):
+        chosen = [c for c in configs(engine, problem) if (c["VECTOR"] > 1) == (problem.backward and vectors)]
+        assert chosen and chosen[0]["BLOCK_R"] == 1
+        return chosen[:1]
+
+    monkeypatch.setattr(ce.OnlineRowEngine, "configs", only)
+    monkeypatch.setattr(ce.FAMILY, "_plans", {})
+    monkeypatch.setattr(ce.FAMILY, "_chosen", {})
+    target = _targets((n_rows,), n_cols)
+    _check(x, target, str(vectors), label_smoothing=label_smoothing, reduction="none")
+    seen = []
+    xg = x.clone().requires_grad_(True)
+    xg.register_hook(seen.append)
+    tdnn.cross_entropy(xg, target, label_smoothing=label_smoothing).backward()
+    dx = seen[0]
+    assert dx.stride() == (4104, 1)
+    if vectors:
+        padding = torch.as_strided(dx, (n_rows, 5), (4104, 1), dx.storage_offset() + n_cols)
+        assert torch.all(padding == 0)
+
+
+def test_whole_vectors_only_where_rows_are_padded():
+    """Vector stores need dx on 16 bytes, rows a whole number of vectors apart and padded to
+    whole vectors inside the storage."""
+    assert ce._whole_vectors(randn(8, 4104, dtype=torch.float16)[:, :4099], 4099)
+    assert ce._whole_vectors(randn(8, 4104, dtype=torch.float16), 4104)
+    assert not ce._whole_vectors(randn(8, 4099, dtype=torch.float16), 4099)  # rows 4099 apart
+    assert not ce._whole_vectors(
+        randn(8 * 4104 + 8, dtype=torch.float16)[1 : 8 * 4104 + 1].view(8, 4104), 4104
+    )
+    assert not ce._whole_vectors(randn(4104, 8, dtype=torch.float16).t(), 4104)
+    short = randn(8 * 4104 - 5, dtype=torch.float16)  # the last row's padding missing
+    assert not ce._whole_vectors(short.as_strided((8, 4099), (4104, 1)), 4099)
+    assert ce._whole_vectors(randn(8, 4100, dtype=torch.float64)[:, :4099], 4099)  # vectors of 2
+
+
 def test_extreme_logits():
     """fp16 logits of +-1e4 and -inf entries (masked classes) as PyTorch treats them."""
     x = randn(8, 9, dtype=torch.float16) * 1e4

@@ -157,6 +157,16 @@ def backward_plan(
 BIAS_PARTIALS_A_LOAD = 64
 
 
+def grad_tiles(activation: int, rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(rows, columns, warps, programs an SM) of a program of the epilogue's backward; with a
+    bias, as many programs as that fills (a program may take a single tile), each adding a row
+    of partial sums. H200, bf16, 8192 rows (GPT-2 small's tokens), do_bench medians with the L2
+    flushed, us: the bias gradient alone over 768 and 2304 columns 14.8 and 26.2 in 128x64 tiles
+    of 8 warps, at least 4 tiles a program (as before), 14.1 and 22.2 so; GELU's gradient with
+    the bias's over 3072 columns 57.9 in 64x64 tiles of 8 warps, 50.2 so (3.0 TB/s)."""
+    return (32, 64, 4, 8) if activation >= 0 else (64, 128, 4, 4)
+
+
 def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[..., tuple]:
     batch, m, n = grad.shape
     dpre_dtype = grad.dtype if pre is None else pre.dtype
@@ -180,16 +190,12 @@ def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[...,
         return (so, sn, sm) if bias_kind == 2 else (so, sm, sn)
 
     dpre_strides = (m * n, 1, n) if bias_kind == 2 else (m * n, n, 1)
-    # Tall tiles and 8 warps keep enough loads in flight. H100, bf16, 8192 rows (GPT-2 small's
-    # tokens), us: the bias gradient alone over 2304 and 768 columns 50.1 and 23.9 in 32x64 tiles
-    # with 4 warps, 27.7 and 15.6 so (a second launch then summed the partials; the last program
-    # of each column block does now, a launch fewer a call); GELU's gradient with the bias's over
-    # 3072 columns 107.1 -> 66.9 in 64x64 tiles. (Copy-rate floors: 12.6, 4.2 and 50.3.)
-    block_r, block_c, warps = (64 if activation >= 0 else 128), 64, 8
+    block_r, block_c, warps, waves = grad_tiles(activation, rows, cols)
     col_blocks = cdiv(cols, block_c)
-    chunks = cdiv(rows, 4 * block_r)
-    if dbias:  # each chunk adds a row of partial sums: enough chunks to fill the SMs 4 times, no more
-        chunks = min(chunks, cdiv(4 * sm_count(), col_blocks))
+    if dbias:  # each chunk adds a row of partial sums: enough chunks to fill the SMs, no more
+        chunks = min(cdiv(rows, block_r), cdiv(waves * sm_count(), col_blocks))
+    else:
+        chunks = cdiv(rows, 4 * block_r)
     chunks = max(1, min(chunks, 65535))
     rows_chunk = cdiv(cdiv(rows, chunks), block_r) * block_r
     chunks = cdiv(rows, rows_chunk)

@@ -37,6 +37,7 @@ from .ops.conv import (
 from .ops.cross_entropy import cross_entropy
 from .ops.ctc import ctc_loss
 from .ops.dropout import dropout, dropout_add
+from .ops.embedding import embedding
 from .ops.epilogue import Epilogue
 from .ops.matmul import MatmulOutput, linear, matmul
 from .ops.norm import (
@@ -123,6 +124,7 @@ __all__ = [
     "dropout_add",
     "dropout_keep_mask",
     "elu",
+    "embedding",
     "engines",
     "gelu",
     "grid_sample",

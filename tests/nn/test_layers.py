@@ -158,6 +158,28 @@ def test_cross_entropy_loss_matches_torch(kwargs):
     assert_close(dgot, dref, dsame, "CrossEntropyLoss gradient")
 
 
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_matches_torch(padding_idx):
+    """Embedding (integer input): lookups equal torch's, the weight gradient against torch's and
+    a float64 copy; the same state_dict and repr."""
+    torch.manual_seed(0)
+    module = nn.Embedding(20, 6, padding_idx=padding_idx).to(DEVICE)
+    ours = _as_ours(module)
+    assert repr(ours) == repr(module) and list(ours.state_dict()) == list(module.state_dict())
+    idx = torch.randint(0, 7, (4, 5), device=DEVICE)
+    dy = randn(4, 5, 6)
+    results = []
+    for layer in (ours, module, copy.deepcopy(module).double()):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="tritondnn falls back")
+            out = layer(idx)
+        (grad,) = torch.autograd.grad(out, layer.weight, dy.to(out.dtype))
+        results.append((out.detach(), grad))
+    (got, dgot), (same, dsame), (ref, dref) = results
+    assert torch.equal(got, same) and torch.equal(got.double(), ref)
+    assert_close(dgot, dref, dsame, "Embedding weight gradient")
+
+
 def test_every_supported_class_is_tested():
     tested = {type(make()).__name__ for make, _ in CASES.values()}
     covered = tested | {
@@ -168,6 +190,7 @@ def test_every_supported_class_is_tested():
         "GRU",
         "RNN",
         "CrossEntropyLoss",
+        "Embedding",
     }
     missing = {cls.__name__ for cls in tnn.SUPPORTED} - covered
     assert not missing, f"tdnn.nn classes without a test: {sorted(missing)}"

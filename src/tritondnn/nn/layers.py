@@ -643,6 +643,20 @@ class Dropout(nn.Dropout):
         )
 
 
+class Embedding(nn.Embedding):
+    """``torch.nn.Embedding`` through ``tdnn.embedding`` (the weight gradient a scatter-add of
+    the output gradient's rows; ``sparse`` and ``scale_grad_by_freq`` run torch's)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        args = (self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return run_or_fallback(
+            self,
+            self.weight,
+            lambda: ops.embedding.embedding(input, self.weight, *args),
+            lambda: nn.Embedding.forward(self, input),
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Fusion helpers (containers.py and fusion.py fuse modules whose calls these allow).
 

@@ -194,6 +194,10 @@ def test_every_supported_class_is_tested():
     }
     missing = {cls.__name__ for cls in tnn.SUPPORTED} - covered
     assert not missing, f"tdnn.nn classes without a test: {sorted(missing)}"
+    unexported = [
+        cls.__name__ for cls in tnn.SUPPORTED.values() if getattr(tnn, cls.__name__, None) is not cls
+    ]
+    assert not unexported, f"tdnn.nn classes not exported: {unexported}"
 
 
 def test_dropout_trains_with_tritondnn_masks():

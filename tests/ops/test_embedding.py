@@ -14,8 +14,12 @@ from tritondnn.ops import embedding as em
 
 
 def _indices(shape: tuple[int, ...], rows: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Random indices with repeats (a few rows drawn often): the gradient sums several tokens."""
-    return torch.randint(0, rows, shape, device=DEVICE).remainder(max(1, rows // 3)).to(dtype)
+    """Random indices with repeats (a few rows drawn often: the gradient sums several tokens),
+    the first and the last row among them."""
+    t = torch.randint(0, rows, shape, device=DEVICE).remainder(max(1, rows // 3))
+    if t.numel() >= 2:
+        t.view(-1)[:2] = torch.tensor([0, rows - 1])
+    return t.to(dtype)
 
 
 def _check(idx: torch.Tensor, weight: torch.Tensor, what: str = "", **kwargs) -> None:
@@ -32,7 +36,7 @@ def _check(idx: torch.Tensor, weight: torch.Tensor, what: str = "", **kwargs) ->
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
 def test_values_and_gradients(index_dtype, dtype, deterministic, monkeypatch):
     monkeypatch.setattr(tdnn.config, "deterministic", deterministic)
@@ -54,6 +58,29 @@ def test_engines_by_mode(monkeypatch):
     dy = randn(300, 40)
     first, second = (grads(lambda w: tdnn.embedding(idx, w), weight, dy)[1] for _ in range(2))
     assert torch.equal(first, second)
+
+
+def test_weight_and_gradient_layouts():
+    """A weight whose rows are further apart than their width (a slice) is read in place; one
+    with strided columns is copied; a gradient with strided rows or broadcast (expanded) is read
+    as it is."""
+    wide = randn(30, 40)
+    _check(_indices((4, 5), 30), wide[:, 3:19], "sliced weight", padding_idx=1)
+    _check(_indices((4, 5), 30), randn(16, 30).t(), "transposed weight")
+    idx, weight = _indices((6,), 30), randn(30, 16).requires_grad_(True)
+    for dy in (randn(6, 32)[:, ::2], randn(1, 16).expand(6, 16)):
+        (dw,) = torch.autograd.grad(tdnn.embedding(idx, weight), weight, dy)
+        (ref,) = torch.autograd.grad(F.embedding(idx, weight.double()), weight, dy.double())
+        assert_close(dw, ref.float())
+
+
+def test_benchmark_mode_times_into_scratch(cache_dir, monkeypatch):
+    """Benchmark mode times every engine on the call's own tensors but a scratch gradient table:
+    the atomic engine adds into the table it is given."""
+    monkeypatch.setattr(tdnn.config, "benchmark", True)
+    monkeypatch.setattr(em.FAMILY, "_plans", {})
+    monkeypatch.setattr(em.FAMILY, "_chosen", {})
+    _check(_indices((7, 3), 9), randn(9, 12), "benchmark mode")
 
 
 def test_wide_rows_take_several_column_blocks(monkeypatch):

@@ -10,6 +10,7 @@ Every class here subclasses its torch.nn namesake (same constructor, parameters,
 """
 
 from .attention import MultiheadAttention, route_sdpa
+from .containers import Sequential
 from .layers import (
     ELU,
     GELU,
@@ -33,6 +34,7 @@ from .layers import (
     ConvTranspose3d,
     CrossEntropyLoss,
     Dropout,
+    Embedding,
     GroupNorm,
     InstanceNorm1d,
     InstanceNorm2d,
@@ -85,6 +87,7 @@ __all__ = [
     "ConvTranspose3d",
     "CrossEntropyLoss",
     "Dropout",
+    "Embedding",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
@@ -101,6 +104,7 @@ __all__ = [
     "PatchReport",
     "RMSNorm",
     "ReLU",
+    "Sequential",
     "SiLU",
     "Sigmoid",
     "Softmax",

@@ -249,6 +249,8 @@ def _problem(
 ) -> CrossEntropyProblem:
     n_rows, n_cols = x.shape
     reach = (n_rows - 1) * abs(x.stride(0)) + (n_cols - 1) * abs(x.stride(1)) + 1
+    if dx is not None:  # the gradient's padded rows reach further (and its vectors to 16 bytes)
+        reach = max(reach, (n_rows - 1) * abs(dx.stride(0)) + (n_cols - 1) * abs(dx.stride(1)) + 16)
     return CrossEntropyProblem(
         backward=backward,
         dtype=str(x.dtype).removeprefix("torch."),
@@ -362,8 +364,9 @@ def _plan(
         x.shape,
         x.dtype,
         x.stride(),
+        # (Whether dx goes in vectors is not in the key: dx is always ``_gradient_like(x)``,
+        # whose layout follows from x's shape, strides and dtype.)
         dx.stride() if dx is not None else None,
-        dx is not None and _whole_vectors(dx, x.shape[1]),
         weighted,
         smoothing,
         ignore_index,

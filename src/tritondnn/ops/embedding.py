@@ -4,15 +4,17 @@ output gradient's rows into the weight gradient backward.
 PyTorch's CUDA backward of a dense embedding sorts the indices, finds the distinct ones, sums the
 rows of each and writes them: about a dozen launches, 0.25 ms of GPT-2 small's training step on
 an H200 for 8192 tokens, where the scatter itself moves 25 MB. Here the gradient is a zeroed
-fp32 table into which one kernel adds each token's row with atomics (summation order varies
-between runs where an index repeats), or, with ``tdnn.config.deterministic``, a sort of the
-indices (``torch.sort``, stable) after which each run of equal indices is summed by one program
-in token order, with no atomics: the same bits every run.
+fp32 table (fp64 for fp64 gradients) into which one kernel adds each token's row with atomics
+(summation order varies between runs where an index repeats), or, with
+``tdnn.config.deterministic``, a sort of the indices (``torch.sort``, stable) after which each
+run of equal indices is summed by one program in token order, with no atomics: the same bits
+every run.
 
-Indices outside [0, num_embeddings) raise ``IndexError`` for host tensors; on a device (which
-cannot raise, and reading the indices back would stall every call) their rows come out NaN and
-they add no gradient. ``max_norm`` renormalizes the weight rows in place first, as PyTorch does;
-``scale_grad_by_freq`` and ``sparse`` gradients run PyTorch's ``F.embedding``.
+Indices outside [0, num_embeddings) raise ``IndexError`` for host tensors (outside
+torch.compile, which cannot branch on values); on a device (which cannot raise, and reading the
+indices back would stall every call) their rows come out NaN and they add no gradient.
+``max_norm`` renormalizes the weight rows in place first, as PyTorch does; ``scale_grad_by_freq``
+and ``sparse`` gradients run PyTorch's ``F.embedding``.
 """
 
 from __future__ import annotations
@@ -58,14 +60,14 @@ def _gather_kernel(
 ):  # fmt: skip
     """out[t, :] = w[idx[t], :] for BLOCK_T tokens and BLOCK_D columns a program; NaN for an
     index out of range. Grid: (token blocks, column blocks)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < n_tokens
     i = tl.load(idx_ptr + t, mask=t_ok, other=0).to(tl.int64)
     inside = (i >= 0) & (i < num_embeddings)
     mask = t_ok[:, None] & (d < dim)[None, :]
     row = tl.load(w_ptr + (i * w_row)[:, None] + d[None, :], mask=mask & inside[:, None], other=float("nan"))
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * dim + d[None, :], row, mask=mask)
+    tl.store(out_ptr + t[:, None] * dim + d[None, :], row, mask=mask)
 
 
 @triton.jit
@@ -73,16 +75,18 @@ def _scatter_add_kernel(
     idx_ptr, g_ptr, dw_ptr, n_tokens, dim, num_embeddings, g_row, padding_idx,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """dw[idx[t], :] += g[t, :] (fp32 atomics) for BLOCK_T tokens and BLOCK_D columns a program;
-    tokens at ``padding_idx`` or out of range add nothing. dw: (num_embeddings, dim) fp32."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """dw[idx[t], :] += g[t, :] (atomics in dw's dtype) for BLOCK_T tokens and BLOCK_D columns a
+    program; tokens at ``padding_idx`` or out of range add nothing. dw: (num_embeddings, dim),
+    fp32 (fp64 for fp64 gradients)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = t < n_tokens
     i = tl.load(idx_ptr + t, mask=t_ok, other=0).to(tl.int64)
     adds = t_ok & (i >= 0) & (i < num_embeddings) & (i != padding_idx)
     mask = adds[:, None] & (d < dim)[None, :]
-    g = tl.load(g_ptr + t.to(tl.int64)[:, None] * g_row + d[None, :], mask=mask, other=0.0)
-    tl.atomic_add(dw_ptr + (i * dim)[:, None] + d[None, :], g.to(tl.float32), mask=mask, sem="relaxed")
+    g = tl.load(g_ptr + t[:, None] * g_row + d[None, :], mask=mask, other=0.0)
+    acc = dw_ptr.dtype.element_ty
+    tl.atomic_add(dw_ptr + (i * dim)[:, None] + d[None, :], g.to(acc), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -93,19 +97,19 @@ def _segment_sum_kernel(
     """Deterministic: the program at a sorted position where a run of equal indices starts sums
     the run's gradient rows in token order (``order``: the stable sort's permutation) and stores
     dw[index, :]; the other programs end at once. Grid: (tokens, column blocks)."""
-    pos = tl.program_id(0)
+    pos = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < dim
     i = tl.load(sorted_ptr + pos).to(tl.int64)
     before = tl.load(sorted_ptr + pos - 1, mask=pos > 0, other=-1).to(tl.int64)
     starts = (pos == 0) | (before != i)
     if starts & (i >= 0) & (i < num_embeddings) & (i != padding_idx):
-        acc = tl.zeros([BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D], dw_ptr.dtype.element_ty)
         j = pos
         at = i
         while at == i:
             token = tl.load(order_ptr + j).to(tl.int64)
-            acc += tl.load(g_ptr + token * g_row + d, mask=d_ok, other=0.0).to(tl.float32)
+            acc += tl.load(g_ptr + token * g_row + d, mask=d_ok, other=0.0).to(acc.dtype)
             j += 1
             at = tl.load(sorted_ptr + j, mask=j < n_tokens, other=-1).to(tl.int64)
         tl.store(dw_ptr + i * dim + d, acc, mask=d_ok)
@@ -271,10 +275,6 @@ class SortedSegmentsEngine(Engine[EmbeddingProblem]):
         return scatter
 
 
-def _plan(problem: Callable[[], EmbeddingProblem], key: tuple, timing_args: Callable[[], tuple]):
-    return FAMILY.plan(key, problem, timing_args)
-
-
 # ---------------------------------------------------------------------------------------------
 # 4. torch.library ops and autograd.
 
@@ -291,14 +291,18 @@ def _forward(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         idx = input.reshape(-1)
         key = (False, idx.dtype, idx.numel(), weight.shape, weight.stride(0), weight.dtype)
         args = (idx, weight, out)
-        _plan(lambda: _describe(idx, weight), key, lambda: args)(*args)
+        FAMILY.plan(key, lambda: _describe(idx, weight), lambda: args)(*args)
     return out
+
+
+def _accumulator(grad: torch.Tensor) -> torch.dtype:
+    return torch.float64 if grad.dtype == torch.float64 else torch.float32
 
 
 def _fake_backward(
     grad: torch.Tensor, input: torch.Tensor, num_embeddings: int, padding_idx: int
 ) -> torch.Tensor:
-    return grad.new_empty(num_embeddings, grad.shape[-1], dtype=torch.float32)
+    return grad.new_empty(num_embeddings, grad.shape[-1], dtype=_accumulator(grad))
 
 
 @custom_op(
@@ -307,9 +311,10 @@ def _fake_backward(
     _fake_backward,
 )
 def _backward(grad: torch.Tensor, input: torch.Tensor, num_embeddings: int, padding_idx: int) -> torch.Tensor:
-    """The fp32 weight gradient: ``grad`` (*input.shape, dim) summed into rows by index."""
+    """The weight gradient, fp32 (fp64 for an fp64 ``grad``): ``grad`` (*input.shape, dim) summed
+    into rows by index."""
     dim = grad.shape[-1]
-    dw = torch.zeros(num_embeddings, dim, dtype=torch.float32, device=grad.device)
+    dw = torch.zeros(num_embeddings, dim, dtype=_accumulator(grad), device=grad.device)
     g = grad.reshape(-1, dim)
     if g.stride(-1) != 1:
         g = g.contiguous()
@@ -318,11 +323,12 @@ def _backward(grad: torch.Tensor, input: torch.Tensor, num_embeddings: int, padd
         deterministic = config.deterministic
         key = (True, deterministic, idx.dtype, idx.numel(), dw.shape, g.dtype, g.stride(0), padding_idx)
         dtype = str(g.dtype).removeprefix("torch.")
-        args = (idx, g, dw)
         problem = lambda: EmbeddingProblem(
             True, dtype, idx.numel(), dim, num_embeddings, g.stride(0), padding_idx, deterministic
         )
-        _plan(problem, key, lambda: args)(*args)
+        # Timed (benchmark mode) into a scratch table: the atomic engine adds to what is there.
+        plan = FAMILY.plan(key, problem, lambda: (idx, g, torch.zeros_like(dw)))
+        plan(idx, g, dw)
     return dw
 
 
@@ -362,12 +368,14 @@ def embedding(
         max_norm, norm_type: rows looked up are first rescaled in place to at most this norm.
         scale_grad_by_freq, sparse: as PyTorch's (those calls run ``F.embedding``).
 
-    Returns (*input.shape, dim) in weight's dtype. The weight gradient is summed in fp32 and
-    returned in weight's dtype; see the module docstring for the order of that sum and for
+    Returns (*input.shape, dim) in weight's dtype. The weight gradient is summed in fp32 (fp64 for
+    fp64) and returned in weight's dtype; see the module docstring for the order of that sum and for
     indices out of range.
     """
     check_tensor(OP, "input", input, dtypes=INDEX_DTYPES)
     check_tensor(OP, "weight", weight, dtypes=FLOAT_DTYPES, min_ndim=2, max_ndim=2)
+    if input.device != weight.device:
+        raise ValueError(f"{OP}: argument 'input' is on {input.device}, 'weight' on {weight.device}")
     num_embeddings = weight.shape[0]
     if padding_idx is not None:
         if not -num_embeddings <= padding_idx < num_embeddings:

@@ -157,13 +157,16 @@ def backward_plan(
 BIAS_PARTIALS_A_LOAD = 64
 
 
-def grad_tiles(activation: int, rows: int, cols: int) -> tuple[int, int, int, int]:
+def grad_tiles(activation: int, bias: bool) -> tuple[int, int, int, int]:
     """(rows, columns, warps, programs an SM) of a program of the epilogue's backward; with a
     bias, as many programs as that fills (a program may take a single tile), each adding a row
     of partial sums. H200, bf16, 8192 rows (GPT-2 small's tokens), do_bench medians with the L2
     flushed, us: the bias gradient alone over 768 and 2304 columns 14.8 and 26.2 in 128x64 tiles
     of 8 warps, at least 4 tiles a program (as before), 14.1 and 22.2 so; GELU's gradient with
-    the bias's over 3072 columns 57.9 in 64x64 tiles of 8 warps, 50.2 so (3.0 TB/s)."""
+    the bias's over 3072 columns 57.9 in 64x64 tiles of 8 warps, 50.2 so (3.0 TB/s). An
+    activation's gradient without a bias keeps the 64x64 tiles of 8 warps (not measured again)."""
+    if not bias:
+        return 64, 64, 8, 4
     return (32, 64, 4, 8) if activation >= 0 else (64, 128, 4, 4)
 
 
@@ -190,7 +193,7 @@ def _backward_run(grad, pre, activation, bias_kind, bias_dtype) -> Callable[...,
         return (so, sn, sm) if bias_kind == 2 else (so, sm, sn)
 
     dpre_strides = (m * n, 1, n) if bias_kind == 2 else (m * n, n, 1)
-    block_r, block_c, warps, waves = grad_tiles(activation, rows, cols)
+    block_r, block_c, warps, waves = grad_tiles(activation, dbias)
     col_blocks = cdiv(cols, block_c)
     if dbias:  # each chunk adds a row of partial sums: enough chunks to fill the SMs, no more
         chunks = min(cdiv(rows, block_r), cdiv(waves * sm_count(), col_blocks))

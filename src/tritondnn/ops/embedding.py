@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,14 +169,11 @@ def _tiles(problem: EmbeddingProblem) -> list[LaunchConfig]:
     return out
 
 
-@FAMILY.register
-class GatherEngine(Engine[EmbeddingProblem]):
-    """Forward: weight rows copied to the output, a tile of tokens and columns a program."""
+class _TiledEngine(Engine[EmbeddingProblem]):
+    """A tile of tokens and columns a program, over ``kernel``: its ints are the problem's
+    sizes and row stride, and for the backward the padding index."""
 
-    name = "gather"
-
-    def not_supported_reasons(self, problem: EmbeddingProblem) -> list[str]:
-        return ["computes the forward only"] if problem.backward else []
+    kernel: Any
 
     def cost(self, problem: EmbeddingProblem) -> float:
         return 1.0
@@ -185,53 +183,41 @@ class GatherEngine(Engine[EmbeddingProblem]):
 
     def bind(self, problem: EmbeddingProblem, config: LaunchConfig) -> Callable[..., None]:
         block_t, block_d = config["BLOCK_T"], config["BLOCK_D"]
-        run = launcher(
-            _gather_kernel,
+        sizes = (problem.n_tokens, problem.dim, problem.num_embeddings, problem.row_stride)
+        return launcher(
+            type(self).kernel,
             (cdiv(problem.n_tokens, block_t), cdiv(problem.dim, block_d)),
             num_tensors=3,
-            ints=(problem.n_tokens, problem.dim, problem.num_embeddings, problem.row_stride),
+            ints=(*sizes, problem.padding_idx) if problem.backward else sizes,
             constexprs=(block_t, block_d),
             num_warps=config["num_warps"],
         )
-        return run
 
 
 @FAMILY.register
-class AtomicScatterEngine(Engine[EmbeddingProblem]):
-    """Weight gradient: each token's gradient row added into its weight row with fp32 atomics."""
+class GatherEngine(_TiledEngine):
+    """Forward: weight rows copied to the output."""
+
+    name = "gather"
+    kernel = _gather_kernel
+
+    def not_supported_reasons(self, problem: EmbeddingProblem) -> list[str]:
+        return ["computes the forward only"] if problem.backward else []
+
+
+@FAMILY.register
+class AtomicScatterEngine(_TiledEngine):
+    """Weight gradient: each token's gradient row added into its weight row with atomics."""
 
     name = "atomic-scatter"
+    kernel = _scatter_add_kernel
 
     def not_supported_reasons(self, problem: EmbeddingProblem) -> list[str]:
         if not problem.backward:
             return ["computes the weight gradient only"]
         if problem.deterministic:
-            return ["tdnn.config.deterministic is set (fp32 atomics add in any order)"]
+            return ["tdnn.config.deterministic is set (atomics add in any order)"]
         return []
-
-    def cost(self, problem: EmbeddingProblem) -> float:
-        return 1.0
-
-    def configs(self, problem: EmbeddingProblem) -> list[LaunchConfig]:
-        return _tiles(problem)
-
-    def bind(self, problem: EmbeddingProblem, config: LaunchConfig) -> Callable[..., None]:
-        block_t, block_d = config["BLOCK_T"], config["BLOCK_D"]
-        run = launcher(
-            _scatter_add_kernel,
-            (cdiv(problem.n_tokens, block_t), cdiv(problem.dim, block_d)),
-            num_tensors=3,
-            ints=(
-                problem.n_tokens,
-                problem.dim,
-                problem.num_embeddings,
-                problem.row_stride,
-                problem.padding_idx,
-            ),
-            constexprs=(block_t, block_d),
-            num_warps=config["num_warps"],
-        )
-        return run
 
 
 @FAMILY.register

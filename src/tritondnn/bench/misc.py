@@ -1,6 +1,7 @@
 """The rest of cuDNN's primitives: dropout (and + residual), OpTensor, reductions, layout and type
 transforms, fp8 quantization (memory-bound: GB/s and the fraction of a copy measured first), grid
-sampling forward and backward, and CTC loss (T=500, N=32, C=50, S=100).
+sampling forward and backward, CTC loss (T=500, N=32, C=50, S=100), and embedding lookups with
+their weight gradient (GPT-2 small's token table).
 
 Bytes are the minimum read plus written once; a reduction counts its input only.
 """
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.backend import DEVICE_TYPE, INTERPRET
-from ..ops import ctc, dropout, reduce, spatial, tensor_ops, transform
+from ..ops import ctc, dropout, embedding, reduce, spatial, tensor_ops, transform
 from . import Case, compiled, providers
 
 BF16 = torch.bfloat16
@@ -205,4 +206,29 @@ def cases(quick: bool) -> Iterator[Case]:
     yield Case(
         f"{label} fwd+bwd",
         providers(tritondnn=partial(loss_grad, ctc.ctc_loss), torch=partial(loss_grad, F.ctc_loss)),
+    )
+
+    # GPT-2 small's token embedding: 8192 tokens into a 50257 x 768 fp32 table. The backward
+    # writes the whole table's gradient (zeros where no token points) and reads the output's.
+    rows, dim, tokens = (64, 32, 40) if INTERPRET else (50257, 768, 8192)
+    table = torch.randn(rows, dim, device=dev, requires_grad=True)
+    ids = torch.randint(0, rows, (tokens,), device=dev)
+    dy = torch.randn(tokens, dim, device=dev)
+    label = f"embedding {rows}x{dim} fp32, {tokens} tokens"
+    yield Case(
+        f"{label} fwd",
+        providers(
+            tritondnn=partial(embedding.embedding, ids, table),
+            torch=partial(F.embedding, ids, table),
+            torch_compile=compiled(F.embedding, ids, table),
+        ),
+        bytes=2 * dy.nbytes + ids.nbytes,
+    )
+    yield Case(
+        f"{label} fwd+bwd",
+        providers(
+            tritondnn=partial(_fwd_bwd, lambda w: embedding.embedding(ids, w), (table,), dy),
+            torch=partial(_fwd_bwd, lambda w: F.embedding(ids, w), (table,), dy),
+        ),
+        bytes=3 * dy.nbytes + 2 * ids.nbytes + table.nbytes,
     )

@@ -23,11 +23,13 @@ boxed GEMM over a space-to-depth copy of x; also in both gradient families);
 the data-gradient family ``conv_dgrad`` has ``implicit_gemm``, ``boxed_gemm`` (stride 1),
 ``depthwise``, ``depthwise_rows`` and ``gemm_1x1`` (stride 1), the weight-gradient family ``conv_wgrad``
 ``implicit_gemm``, ``shifted_gemm`` (Hopper, stride-1 channels-last: per tap, pixel rows shifted
-by a constant), ``row_window`` (channels-last with few input channels, as a stem: a kernel row's
-taps and channels are one contiguous run of the image row), ``depthwise`` and ``gemm_1x1``.
+by a constant), ``padded_box`` (Hopper, stride 1, channels-last x: x's boxes against dy's rows
+in a zero-padded copy; benchmark mode only until timed), ``row_window`` (channels-last with few
+input channels, as a stem: a kernel row's taps and channels are one contiguous run of the image
+row), ``depthwise`` and ``gemm_1x1``.
 
 Files: ``problem`` and ``args`` (geometry, argument rules), ``kernels`` (implicit GEMM),
-``engines``, ``boxed``, ``spacedepth``, ``shifted``, ``window``, ``gemm``, ``depthwise``,
+``engines``, ``boxed``, ``spacedepth``, ``shifted``, ``padded``, ``window``, ``gemm``, ``depthwise``,
 ``winograd``, ``fft``, ``plans`` (per-shape plans, torch.library ops), ``autograd``, ``eager``
 (the eager fast path: calls seen before skip the checks), ``reference``; this module holds the
 public functions.
@@ -47,6 +49,7 @@ from . import depthwise as _depthwise  # noqa: F401
 from . import eager
 from . import fft as _fft  # noqa: F401
 from . import gemm as _gemm  # noqa: F401
+from . import padded as _padded  # noqa: F401
 from . import shifted as _shifted  # noqa: F401
 from . import spacedepth as _spacedepth  # noqa: F401
 from . import window as _window  # noqa: F401
@@ -618,9 +621,9 @@ def conv_backward_weight(
     """cuDNN's backward-filter (``torch.nn.grad.conv{1,2,3}d_weight``): the gradient of
     ``conv(input, weight, ...)`` with respect to a weight of ``weight_size`` (C_out, C_in / groups,
     *kernel). Split over N * pixels, partial sums added in a fixed order (deterministic).
-    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'row_window', 'depthwise',
-    'gemm_1x1', 'space_to_depth'). Returns a tensor in the input's dtype and layout (channels-last for a
-    channels-last input, as PyTorch's; contiguous otherwise)."""
+    ``algo`` forces an engine ('implicit_gemm', 'shifted_gemm', 'padded_box', 'row_window',
+    'depthwise', 'gemm_1x1', 'space_to_depth'). Returns a tensor in the input's dtype and layout
+    (channels-last for a channels-last input, as PyTorch's; contiguous otherwise)."""
     op = "tdnn.conv_backward_weight"
     key = eager.gradient_key(
         "wgrad", input, grad_output, weight_size, stride, padding, dilation, groups, algo

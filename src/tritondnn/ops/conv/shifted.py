@@ -15,7 +15,8 @@ main loop instead routes it through registers, which ran the kernel 1.6-1.9x slo
 
 (The forward and data gradient read boxes of the image instead, ``boxed``; for the weight
 gradient, whose both operands would be such boxes, one of them would pass through registers
-reshaped, and it measured no faster than this kernel on an H100.)
+reshaped, and it measured no faster than this kernel on an H100. ``padded`` reads x in boxes
+and dy as rows of a copy padded to whole boxes instead: both operands from shared memory.)
 """
 
 from __future__ import annotations

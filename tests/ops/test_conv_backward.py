@@ -352,16 +352,20 @@ PADDED = [
     ((1, 16, 4, 5, 6), 16, (3, 3, 3), ((1, 1),) * 3, (1, 1, 1), 1),
     ((2, 16, 40), 16, (5,), ((2, 2),), (1,), 1),
     ((2, 16, 20, 9), 16, (1, 1), ((0, 0), (0, 0)), (1, 1), 1),
+    ((2, 16, 7, 6), 16, (4, 4), ((1, 2), (2, 1)), (1, 1), 1),
+    ((2, 16, 5, 5), 16, (3, 3), ((3, 2), (2, 3)), (1, 1), 1),
+    ((2, 64, 5, 6), 64, (3, 3), ((1, 1), (1, 1)), (1, 1), 2),
 ]
 
 
 @pytest.mark.parametrize("case", PADDED, ids=str)
-@pytest.mark.parametrize("pixels, splits", [(16, 1), (64, 3)])
+@pytest.mark.parametrize("pixels, splits, tile", [(16, 1, 16), (16, 2, 32), (64, 2, 16)])
 @pytest.mark.parametrize("dy_last", [True, False], ids=["dy_channels_last", "dy_contiguous"])
-def test_padded_box_wgrad(case, pixels, splits, dy_last, monkeypatch):
+def test_padded_box_wgrad(case, pixels, splits, tile, dy_last, monkeypatch):
     """x's boxes (zeros outside the image) against dy's rows in a copy padded to whole boxes:
-    'same', 'valid' and uneven padding, dilation, groups, 1D/2D/3D, boxes of part of a row, of
-    whole rows, of several images; split over boxes; dy in either layout (it is copied)."""
+    'same', 'valid', uneven and over-padding (the output larger than x), even kernels, dilation,
+    groups (tiles wider than a group's channels), 1D/2D/3D, boxes of part of a row, of whole rows,
+    of several images; split over boxes; dy in either layout (it is copied)."""
     from tritondnn.ops.conv import describe_wgrad, padded
 
     monkeypatch.setattr(padded, "_split", lambda *args: splits)
@@ -374,7 +378,8 @@ def test_padded_box_wgrad(case, pixels, splits, dy_last, monkeypatch):
     engine = padded.PaddedBoxWgradEngine()
     assert not engine.not_supported_reasons(problem)
     dw = _in_layout_of(torch.full(w.shape, float("nan"), device=DEVICE, dtype=torch.float16), x)
-    engine.bind(problem, {**engine.configs(problem)[0], "BLOCK_K": pixels})(x, dy, dw)
+    config = {**engine.configs(problem)[0], "BLOCK_K": pixels, "BLOCK_M": tile, "BLOCK_N": tile}
+    engine.bind(problem, config)(x, dy, dw)
     assert_close(dw, rw, what=f"padded box wgrad {case}, {pixels}-pixel boxes, {splits} splits")
 
 
@@ -392,6 +397,22 @@ def test_padded_box_wgrad_by_name_only_until_timed():
         conv.conv_backward_weight(x.contiguous(), dy, w.shape, 1, 1, algo="padded_box")
     with pytest.raises(tdnn.NotSupportedError, match="stride 1"):
         conv.conv_backward_weight(x, dy[..., :4, :4], w.shape, 2, 1, algo="padded_box")
+    with pytest.raises(tdnn.NotSupportedError, match="fp16 or bf16"):
+        conv.conv_backward_weight(x.float(), dy.float(), w.shape, 1, 1, algo="padded_box")
+    # x off 16 bytes (a view one channel in): the descriptors cannot read it, the implicit GEMM does.
+    wide = channels_last(torch.randn(2, 24, 7, 7, device=DEVICE, dtype=torch.float16))[:, 1:17]
+    rw = conv_backward_reference(wide, w, dy, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)[1]
+    assert_close(
+        conv.conv_backward_weight(wide, dy, w.shape, 1, 1, algo="padded_box"), rw, what="x off 16 bytes"
+    )
+
+
+@pytest.mark.gpu_only("bf16 products (the interpreter's bf16 dot is wrong)")
+def test_padded_box_wgrad_bf16():
+    case = ((4, 64, 7, 7), 64, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    x, w, dy = _tensors(case, torch.bfloat16, True)
+    rw = conv_backward_reference(x, w, dy, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)[1]
+    assert_close(conv.conv_backward_weight(x, dy, w.shape, 1, 1, algo="padded_box"), rw, what="bf16")
 
 
 def test_shifted_wgrad_splits_fill_one_wave(monkeypatch):

@@ -15,6 +15,9 @@ so dy, whose rows are a plain 2-D block of the padded copy, is the transposed op
 copy is dy's size over the padding's share of positions, and the products over padded
 positions are wasted: 77% of positions are pixels at 7x7 and 14x14 (8x8 and 16x16 images),
 87.5% at 28x28 and 56x56.
+
+As in the shifted GEMM, the products over dy's zero padding still read real x pixels: an Inf or
+NaN in x makes NaN in taps where PyTorch's sum skips it (0 * Inf).
 """
 
 from __future__ import annotations
@@ -137,6 +140,11 @@ def _x_view(p: ConvProblem) -> SourceView:
 
 def padded_reasons(p: ConvProblem) -> list[str]:
     reasons = descriptor_reasons(p)
+    if p.dtype not in ("float16", "bfloat16"):
+        reasons.append(f"needs fp16 or bf16 (got {p.dtype}): its tiles are sized for 16-bit operands")
+    (images, dp, hp, wp), _ = padded_grid(p.n, p.out_size, 128)
+    if images * dp * hp * wp * p.cout >= 2**31:
+        reasons.append("dy's padded copy reaches past 2**31 elements")
     if p.stride != (1, 1, 1):
         reasons.append(f"needs stride 1 (got {p.stride[3 - p.nd :]})")
     reasons += _x_view(p).reasons("x", p.dtype)
@@ -173,14 +181,9 @@ class PaddedBoxWgradEngine(Engine[ConvProblem]):
         return padded_reasons(problem)
 
     def cost(self, problem: ConvProblem) -> float:
-        # Not yet timed on a GPU: priced above every other engine that takes the problem, so
-        # that only benchmark mode (or algo="padded_box") runs it until it is measured.
-        others = [
-            e.cost(problem)
-            for e in WGRAD_FAMILY.engines
-            if e.name != self.name and not e.not_supported_reasons(problem)
-        ]
-        return 1.05 * max(others, default=1e9)
+        # Not yet timed on a GPU: priced above any engine (the implicit GEMM takes every problem),
+        # so that only benchmark mode (or algo="padded_box") runs it until it is measured.
+        return 1e9
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
         return _configs(problem)

@@ -11,7 +11,8 @@ shifted row wraps into the neighbouring row or image) must not contribute: the p
 its product anyway, and a short second loop gathers those pixels (the image's margins: 2 of 56
 columns and rows of a 3x3 tap at 56x56) and subtracts their products. Masking dy's tile in the
 main loop instead routes it through registers, which ran the kernel 1.6-1.9x slower on an H100
-(3x3 ResNet-50 layers, N=64).
+(3x3 ResNet-50 layers, N=64). (So an Inf or NaN in x makes NaN in taps where PyTorch's sum skips
+it: the product taken back is 0 * Inf.)
 
 (The forward and data gradient read boxes of the image instead, ``boxed``; for the weight
 gradient, whose both operands would be such boxes, one of them would pass through registers

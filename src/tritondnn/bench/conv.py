@@ -73,6 +73,22 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
         flops=3 * flops,
     )
     yield _gradient_case(name, x, w, dy, stride, padding, groups, flops)
+    if tuned and layout == "NHWC" and stride == 1 and w.shape[-1] > 1:
+        yield from _wgrad_engine_cases(name, x, w, dy, padding, groups, flops)
+
+
+# Weight-gradient engines timed side by side on the stride-1 channels-last layers (the shifted
+# GEMM takes back wrapped pixels; the padded-box engine is run by name until it is priced).
+WGRAD_ENGINES = ("shifted_gemm", "padded_box")
+
+
+def _wgrad_engine_cases(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, padding, groups,
+                        flops: int) -> Iterator[Case]:  # fmt: skip
+    grad_w = getattr(torch.nn.grad, f"conv{x.ndim - 2}d_weight")
+    cudnn = partial(grad_w, x, w.shape, dy, 1, padding, 1, groups)
+    for algo in WGRAD_ENGINES:
+        ours = partial(conv.conv_backward_weight, x, dy, w.shape, 1, padding, 1, groups, algo=algo)
+        yield Case(f"{name} wgrad [{algo}]", providers(tritondnn=ours, torch=cudnn), flops=flops)
 
 
 def _tuned_case(name: str, ours: Callable, ref: Callable, x: torch.Tensor, w: torch.Tensor, geometry: tuple,

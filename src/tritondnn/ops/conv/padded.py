@@ -31,7 +31,6 @@ import triton.language as tl
 from ...core.backend import INTERPRET
 from ...core.engine import Engine, LaunchConfig
 from ...core.launcher import cdiv, ensure_allocator, launcher
-from ...core.numerics import convert
 from ..matmul.kernels import dot
 from .boxed import SourceView, descriptor_reasons
 from .engines import (
@@ -43,7 +42,7 @@ from .engines import (
     workspace_steps,
 )
 from .problem import ConvProblem, itemsize
-from .shifted import _split
+from .shifted import _split, store_tile, tap_tile
 
 
 @triton.jit
@@ -71,22 +70,9 @@ def _padded_wgrad_kernel(
         x_ptr, [N, SD, SH, SW, C_X], [s_n, s_d, s_h, s_w, 1], [IMAGES, BD, BH, BW, BLOCK_N]
     )
     dy_desc = tl.make_tensor_descriptor(dy_ptr, [boxes * BK, C_Y], [C_Y, 1], [BK, BLOCK_M])
-    taps = TD * TH * TW
-    tiles_n = tl.cdiv(CG, BLOCK_N)
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
-    pid_n = pid % tiles_n
-    t = (pid // tiles_n) % taps
-    pid_m = pid // (tiles_n * taps)
-    tw = t % TW
-    th = (t // TW) % TH
-    td = t // (TW * TH)
-    dd = off_d + td * dl_d
-    dh = off_h + th * dl_h
-    dw = off_w + tw * dl_w
-    co0 = pid_m * BLOCK_M
-    c0 = pid_n * BLOCK_N
+    g, split, t, co0, c0, dd, dh, dw = tap_tile(
+        CG, TD, TH, TW, off_d, off_h, off_w, dl_d, dl_h, dl_w, BLOCK_M, BLOCK_N
+    )
     b_end = tl.minimum(boxes, (split + 1) * box_chunk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
     for b in range(split * box_chunk, b_end):
@@ -100,10 +86,7 @@ def _padded_wgrad_kernel(
         a = dy_desc.load([p0, g * COG + co0]).T
         box = x_desc.load([n0, d0 + dd, h0 + dh, w0 + dw, g * CG + c0])
         acc = dot(a, box.reshape(BK, BLOCK_N), acc, PRECISION, UPCAST)
-    co = co0 + tl.arange(0, BLOCK_M)
-    c = c0 + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + split * o_s + g * o_g + co[:, None] * o_m + (c * o_c + t * o_t)[None, :]
-    tl.store(out_ptrs, convert(acc, out_ptr.dtype.element_ty), mask=(co < COG)[:, None] & (c < CG)[None, :])
+    store_tile(acc, out_ptr, split, g, t, co0, c0, COG, CG, o_s, o_g, o_m, o_c, o_t, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,6 +165,40 @@ def _take_back_wrapped(
 
 
 @triton.jit
+def tap_tile(
+    CG, TD, TH, TW, off_d, off_h, off_w, dl_d, dl_h, dl_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """A weight-gradient program's (group, split, tap, first output channel, first input channel,
+    and the tap's offset per dimension), from the grid (co tiles * taps * c tiles, groups, splits)."""
+    taps = TD * TH * TW
+    tiles_n = tl.cdiv(CG, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_n = pid % tiles_n
+    t = (pid // tiles_n) % taps
+    pid_m = pid // (tiles_n * taps)
+    tw = t % TW
+    th = (t // TW) % TH
+    td = t // (TW * TH)
+    dd = off_d + td * dl_d
+    dh = off_h + th * dl_h
+    dw = off_w + tw * dl_w
+    return tl.program_id(1), tl.program_id(2), t, pid_m * BLOCK_M, pid_n * BLOCK_N, dd, dh, dw
+
+
+@triton.jit
+def store_tile(
+    acc, out_ptr, split, g, t, co0, c0, COG, CG, o_s, o_g, o_m, o_c, o_t,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Store a (co, c) tile of tap t's sums at ``out + split * o_s + g * o_g + co * o_m + c * o_c
+    + t * o_t`` (dw itself, or a split's row of the workspace)."""
+    co = co0 + tl.arange(0, BLOCK_M)
+    c = c0 + tl.arange(0, BLOCK_N)
+    out_ptrs = out_ptr + split * o_s + g * o_g + co[:, None] * o_m + (c * o_c + t * o_t)[None, :]
+    tl.store(out_ptrs, convert(acc, out_ptr.dtype.element_ty), mask=(co < COG)[:, None] & (c < CG)[None, :])
+
+
+@triton.jit
 def _shifted_wgrad_kernel(
     x_ptr, dy_ptr, out_ptr,
     P, CG, COG, C_X, C_Y, x_row, y_row, k_chunk,
@@ -186,23 +220,10 @@ def _shifted_wgrad_kernel(
     """
     x_desc = tl.make_tensor_descriptor(x_ptr, [P, C_X], [x_row, 1], [BLOCK_K, BLOCK_N])
     dy_desc = tl.make_tensor_descriptor(dy_ptr, [P, C_Y], [y_row, 1], [BLOCK_K, BLOCK_M])
-    taps = TD * TH * TW
-    tiles_n = tl.cdiv(CG, BLOCK_N)
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    split = tl.program_id(2)
-    pid_n = pid % tiles_n
-    t = (pid // tiles_n) % taps
-    pid_m = pid // (tiles_n * taps)
-    tw = t % TW
-    th = (t // TW) % TH
-    td = t // (TW * TH)
-    dd = off_d + td * dl_d
-    dh = off_h + th * dl_h
-    dw = off_w + tw * dl_w
+    g, split, t, co0, c0, dd, dh, dw = tap_tile(
+        CG, TD, TH, TW, off_d, off_h, off_w, dl_d, dl_h, dl_w, BLOCK_M, BLOCK_N
+    )
     shift = (dd * SH + dh) * SW + dw
-    co0 = pid_m * BLOCK_M
-    c0 = pid_n * BLOCK_N
     k_start = split * k_chunk
     k_end = tl.minimum(P, k_start + k_chunk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
@@ -216,10 +237,7 @@ def _shifted_wgrad_kernel(
             k_start, k_end, shift, SD, SH, SW, dd, dh, dw,
             PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-    co = co0 + tl.arange(0, BLOCK_M)
-    c = c0 + tl.arange(0, BLOCK_N)
-    out_ptrs = out_ptr + split * o_s + g * o_g + co[:, None] * o_m + (c * o_c + t * o_t)[None, :]
-    tl.store(out_ptrs, convert(acc, out_ptr.dtype.element_ty), mask=(co < COG)[:, None] & (c < CG)[None, :])
+    store_tile(acc, out_ptr, split, g, t, co0, c0, COG, CG, o_s, o_g, o_m, o_c, o_t, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------

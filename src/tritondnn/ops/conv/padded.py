@@ -42,7 +42,7 @@ from .engines import (
     workspace_steps,
 )
 from .problem import ConvProblem, itemsize
-from .shifted import _split, store_tile, tap_tile
+from .shifted import _split, store_tile, tap_tile, tile_configs
 
 
 @triton.jit
@@ -143,13 +143,7 @@ def _configs(p: ConvProblem) -> list[LaunchConfig]:
         shapes = [(16, 16, 16, 4, 1)]
     else:
         shapes = [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (64, 64, 128, 4, 4), (128, 64, 128, 4, 3)]
-    fit_m = max(64, 1 << (p.cout_g - 1).bit_length())
-    fit_n = max(64, 1 << (p.cin_g - 1).bit_length())
-    shapes.sort(key=lambda s: (s[0] > fit_m) + (s[1] > fit_n))  # stable
-    return [
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
-        for bm, bn, bk, w, st in shapes
-    ]
+    return tile_configs(p, shapes)
 
 
 @WGRAD_FAMILY.register

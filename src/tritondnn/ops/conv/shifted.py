@@ -320,9 +320,15 @@ def _wgrad_configs(p: ConvProblem) -> list[LaunchConfig]:
         # worth of splits one had been faster: 63 / 59 against 67 / 61.)
         shapes = [(128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
         shapes.append((128, 128, 64, 4, 3))
+    return tile_configs(p, shapes)
+
+
+def tile_configs(p: ConvProblem, shapes: list[tuple[int, int, int, int, int]]) -> list[LaunchConfig]:
+    """Configs of (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) shapes, those no taller or wider than
+    the group's channels (rounded up to 64) first, in their order otherwise."""
     fit_m = max(64, 1 << (p.cout_g - 1).bit_length())
     fit_n = max(64, 1 << (p.cin_g - 1).bit_length())
-    shapes.sort(key=lambda s: (s[0] > fit_m) + (s[1] > fit_n))  # stable
+    shapes = sorted(shapes, key=lambda s: (s[0] > fit_m) + (s[1] > fit_n))  # stable
     return [
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
         for bm, bn, bk, w, st in shapes

@@ -331,7 +331,7 @@ def test_shifted_wgrad_takes_back_wrapped_pixels(case, splits, monkeypatch):
     into ranges that start and end mid-image, each range takes back exactly its own."""
     from tritondnn.ops.conv import describe_wgrad, shifted
 
-    monkeypatch.setattr(shifted, "_split", lambda *args: splits)
+    monkeypatch.setattr(shifted, "reduction_splits", lambda *args: splits)
     shape, cout, kernel, pads, dilation, groups = case
     stride = (1,) * len(kernel)
     x, w, dy = _tensors((shape, cout, kernel, stride, pads, dilation, groups), torch.float16, True)
@@ -368,7 +368,7 @@ def test_padded_box_wgrad(case, pixels, splits, tile, dy_last, monkeypatch):
     of several images; split over boxes; dy in either layout (it is copied)."""
     from tritondnn.ops.conv import describe_wgrad, padded
 
-    monkeypatch.setattr(padded, "_split", lambda *args: splits)
+    monkeypatch.setattr(padded, "reduction_splits", lambda *args: splits)
     shape, cout, kernel, pads, dilation, groups = case
     stride = (1,) * len(kernel)
     x, w, dy = _tensors((shape, cout, kernel, stride, pads, dilation, groups), torch.float16, True)
@@ -429,7 +429,7 @@ def test_shifted_wgrad_splits_fill_one_wave(monkeypatch):
         problem = describe_wgrad(channels_last(x), channels_last(x), [channels, channels, 3, 3], 1, 1)
         config = {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_K": 64}
         tiles = 9 * (-(-channels // tile)) ** 2
-        return tiles, shifted._split(problem, tiles, 64 * size * size, config)
+        return tiles, shifted.reduction_splits(problem, tiles, 64 * size * size, config)
 
     for channels, size in ((256, 14), (128, 28)):
         tiles, n = split(channels, size, 128)

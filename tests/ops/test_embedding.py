@@ -48,7 +48,7 @@ def test_values_and_gradients(index_dtype, dtype, deterministic, monkeypatch):
 
 def test_engines_by_mode(monkeypatch):
     """The atomic scatter normally; deterministic mode takes the sorted engine, whose bits
-    repeat."""
+    repeat (a check with teeth on a GPU only: the interpreter's atomics add in order)."""
     idx, weight = _indices((300,), 20), randn(20, 40)
     reports = {r.name: r for r in tdnn.engines("embedding", idx, weight, backward=True)}
     assert reports["atomic-scatter"].chosen and not reports["gather"].supported

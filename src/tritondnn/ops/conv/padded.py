@@ -42,7 +42,7 @@ from .engines import (
     workspace_steps,
 )
 from .problem import ConvProblem, itemsize
-from .shifted import _split, store_tile, tap_tile, tile_configs
+from .shifted import reduction_splits, store_tile, tap_tile, tile_configs
 
 
 @triton.jit
@@ -172,7 +172,7 @@ class PaddedBoxWgradEngine(Engine[ConvProblem]):
         od, oh, ow = p.out_size
         boxes = images * dp * hp * wp // bk
         tiles = cdiv(p.cout_g, bm) * p.taps * cdiv(p.cin_g, bn)
-        split = _split(p, tiles * p.groups, boxes * bk, config)
+        split = reduction_splits(p, tiles * p.groups, boxes * bk, config)
         chunk = cdiv(boxes, split)
         split = cdiv(boxes, chunk)
         view = _x_view(p)
@@ -198,32 +198,25 @@ class PaddedBoxWgradEngine(Engine[ConvProblem]):
         opts = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
         grid = (tiles, p.groups, split)
         dtype = getattr(torch, p.dtype)
-        unsqueeze = 3 - p.nd  # dy as (N, C, D, H, W)
         fallback = ImplicitGemmWgradEngine()
         slow = fallback.bind(p, fallback.configs(p)[0])
 
         def padded(dy: torch.Tensor) -> torch.Tensor:
             """dy's channels-last copy on the padded grid, zero outside dy."""
             buf = torch.zeros((images, dp, hp, wp, p.cout), dtype=dtype, device=dy.device)
-            dy5 = dy.reshape(p.n, p.cout, od, oh, ow) if unsqueeze else dy
+            dy5 = dy.reshape(p.n, p.cout, od, oh, ow)  # (N, C, D, H, W) whatever the rank
             buf[: p.n, :od, :oh, :ow].copy_(dy5.permute(0, 2, 3, 4, 1))
             return buf
 
+        # store(x, padded dy, dw): dw directly, or each split's sums into a workspace, then added.
         if split == 1:
-            launch = launcher(_padded_wgrad_kernel, grid, 3, (*head, 0, *wgrad_out_steps(p)), consts, **opts)
-
-            def store(x: torch.Tensor, dyp: torch.Tensor, dw: torch.Tensor) -> None:
-                launch(x, dyp, dw)
-
+            store = launcher(_padded_wgrad_kernel, grid, 3, (*head, 0, *wgrad_out_steps(p)), consts, **opts)
         else:
             numel = p.cout * p.cin_g * p.taps
             partial = launcher(
                 _padded_wgrad_kernel, grid, 3, (*head, numel, *workspace_steps(p)), consts, **opts
             )
-            summed = summed_splits(p, split, lambda dyp, x, ws: partial(x, dyp, ws))
-
-            def store(x: torch.Tensor, dyp: torch.Tensor, dw: torch.Tensor) -> None:
-                summed(x, dyp, dw)
+            store = summed_splits(p, split, lambda dyp, x, ws: partial(x, dyp, ws))
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
             if x.data_ptr() & 15:  # descriptors need 16-byte-aligned base addresses

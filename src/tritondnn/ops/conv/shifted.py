@@ -315,7 +315,7 @@ def _wgrad_configs(p: ConvProblem) -> list[LaunchConfig]:
     elif p.dtype == "float32":
         shapes = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3)]
     else:
-        # H100, bf16, N=64, graphs, with ``_split``'s counts: 128x128 tiles with two warp groups
+        # H100, bf16, N=64, graphs, with ``reduction_splits``' counts: 128x128 tiles with two warp groups
         # 3x3 512 @7 / 256 @14 / 128 @28 64 / 48 / 44 us, with one 70 / 52 / 47. (With two waves'
         # worth of splits one had been faster: 63 / 59 against 67 / 61.)
         shapes = [(128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
@@ -335,7 +335,7 @@ def tile_configs(p: ConvProblem, shapes: list[tuple[int, int, int, int, int]]) -
     ]
 
 
-def _split(p: ConvProblem, tiles: int, pixels: int, config: LaunchConfig) -> int:
+def reduction_splits(p: ConvProblem, tiles: int, pixels: int, config: LaunchConfig) -> int:
     """How many pixel ranges the reduction splits into. Tiles of 64 x 64 or less share a
     multiprocessor: two waves' worth of programs (H100, bf16 N=64, 3x3 64 @56 split 30 59 us
     against one wave's 14 73; 3x3x3 64 @16x56x56 10 against 9: 580 against 631 us with dgrad).
@@ -392,7 +392,7 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         taps = p.taps
         pixels = p.n * math.prod(p.in_size)
         tiles = cdiv(p.cout_g, bm) * taps * cdiv(p.cin_g, bn)
-        split = _split(p, tiles * p.groups, pixels, config)
+        split = reduction_splits(p, tiles * p.groups, pixels, config)
         chunk = cdiv(cdiv(pixels, split), bk) * bk
         split = cdiv(pixels, chunk)
         (_, _, x_strides, stage_x), (_, _, y_strides, stage_dy) = _operands(p)

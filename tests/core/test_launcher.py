@@ -26,6 +26,19 @@ def test_copies_with_its_dtypes():
     assert torch.equal(y, x.half())
 
 
+def test_each_call_reads_its_own_tensors():
+    """After a launcher's first (compiling) call, calls on 16-byte-aligned tensors go straight to
+    the C launcher with the tensors' addresses: each call must still read and write the tensors
+    it is given (new addresses, a view 12 bytes off that takes Triton's runner, aligned again)."""
+    run = launcher(_copy_kernel, (1,), 2, (5,), (8,))
+    base = torch.randn(64, device=DEVICE)
+    for offset in (0, 16, 3, 32, 0):
+        x = base[offset : offset + 5]
+        y = torch.zeros(5, device=DEVICE, dtype=torch.float16)
+        run(x, y)
+        assert torch.equal(y, x.half())
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the check runs under the interpreter (compiled calls skip it)")
 def test_other_dtypes_are_refused():
     """A compiled launcher would reuse the kernel of its first dtypes; the interpreter refuses, so

@@ -139,6 +139,7 @@ def launcher(
     fast_device, fast_launch, fast_function, fast_head = -1, None, None, ()
     scratch_bytes = 0
     stream_heads: dict[int, tuple] = {}
+    stream_scratch: dict[int, torch.Tensor] = {}  # the buffers whose addresses the heads hold
     # Triton's layout metadata of each descriptor (from the compiled kernel), and the C
     # launcher's arguments for the described tensors (each one's encoded descriptor, shape and
     # strides) by their addresses.
@@ -184,7 +185,8 @@ def launcher(
         head = stream_heads.get(stream)
         if head is None:
             scratch = torch.empty(scratch_bytes, dtype=torch.int8, device=fast_device)
-            head = stream_heads[stream] = (*fast_head[:2], scratch, *fast_head[3:])
+            stream_scratch[stream] = scratch
+            head = stream_heads[stream] = (*fast_head[:2], scratch.data_ptr(), *fast_head[3:])
         return head
 
     def encode(addresses: tuple[int, ...], args: tuple) -> tuple:
@@ -199,18 +201,24 @@ def launcher(
 
     def run(*args: Any) -> None:
         if fast_launch is not None:
-            ptrs = 0
-            for t in args[:num_tensors]:
-                ptrs |= t.data_ptr()
-            if not ptrs & 15 and args[0].get_device() == fast_device == current_device():
+            # The C launcher gets the addresses, not the tensors: for a tensor it would call
+            # data_ptr() again and ask the driver whether the address is a device pointer
+            # (cuPointerGetAttribute), once per tensor per launch. The first tensor's device was
+            # checked here; every op validates its tensors' devices (core.checks) before a launch.
+            ptrs = tuple(map(data_ptr, args[:num_tensors]))
+            bits = 0
+            for ptr in ptrs:
+                bits |= ptr
+            if not bits & 15 and args[0].get_device() == fast_device == current_device():
                 stream = stream_of(fast_device)
                 head = scratch_head(stream) if scratch_bytes else fast_head
                 if leading:
-                    addresses = tuple(map(data_ptr, args[:leading]))
+                    addresses = ptrs[:leading]
                     lead = kept.get(addresses) or encode(addresses, args)
-                    fast_launch(gx, gy, gz, stream, fast_function, *head, *lead, *args[leading:], *tail)
+                    rest = (*ptrs[leading:], *args[num_tensors:])
+                    fast_launch(gx, gy, gz, stream, fast_function, *head, *lead, *rest, *tail)
                     return
-                fast_launch(gx, gy, gz, stream, fast_function, *head, *args, *tail)
+                fast_launch(gx, gy, gz, stream, fast_function, *head, *ptrs, *args[num_tensors:], *tail)
                 return
         general(args)
 

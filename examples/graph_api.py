@@ -1,8 +1,9 @@
 """tritondnn's operation graph in a page: describe, build (fuse), explain, execute, serialize.
 
 Tensors are edges, operations are nodes. ``build`` partitions the graph into kernels: the
-convolution takes its bias, ReLU and residual add into its epilogue; the pointwise tail and the
-reduction after it become one generated Triton kernel.
+convolution takes the per-channel scale, shift and ReLU before it (batch norm's apply) into the
+reading of its input, its bias, ReLU and residual add into its epilogue; the pointwise tail and
+the reduction after it become one generated Triton kernel.
 """
 
 import torch
@@ -17,7 +18,9 @@ g = Graph(io_dtype=torch.float32, name="block")
 x = g.tensor((2, 8, 12, 12), layout="channels_last", name="x")
 w = g.tensor((8, 8, 3, 3), name="w")
 b = g.tensor((8, 1, 1), name="b")  # a per-channel bias, broadcast as in PyTorch
-y = g.relu(g.bias(g.conv_fprop(x, w, padding=1), b)) + x  # conv + bias + ReLU + residual
+s, sh = g.tensor((8, 1, 1), name="s"), g.tensor((8, 1, 1), name="sh")
+xa = g.relu(g.bias(g.scale(x, s), sh))  # batch norm's apply and a ReLU...
+y = g.relu(g.bias(g.conv_fprop(xa, w, padding=1), b)) + x  # ...conv + bias + ReLU + residual
 z = g.sigmoid(y * 0.5 - 1.0)  # a pointwise tail...
 stats = g.reduction(z, "avg", dim=(2, 3))  # ...and a reduction after it
 g.set_output(y)
@@ -33,6 +36,8 @@ feeds = {
     "x": torch.randn(2, 8, 12, 12, device=device).to(memory_format=torch.channels_last),
     "w": torch.randn(8, 8, 3, 3, device=device),
     "b": torch.randn(8, 1, 1, device=device),
+    "s": torch.rand(8, 1, 1, device=device) + 0.5,
+    "sh": torch.randn(8, 1, 1, device=device),
 }
 out = plan.execute(feeds)
 expected = reference(g, feeds, torch.float64)  # the same graph evaluated by PyTorch in float64

@@ -7,8 +7,8 @@ import pytest
 import torch
 from graph_check import check_plan, feeds_for
 
-from helpers import randn
-from tritondnn.graph import KERNEL_CACHE_STATS, Graph
+from helpers import assert_close, randn
+from tritondnn.graph import KERNEL_CACHE_STATS, Graph, Plan, reference
 from tritondnn.graph import runners as graph_runners
 
 
@@ -141,6 +141,78 @@ def test_conv_epilogue_channels_last(poison):
     assert len(plan.steps) == 1 and plan.steps[0].fold["residual"].name == "r"
     assert next(iter(out.values())).is_contiguous(memory_format=torch.channels_last)
     check_plan(g, feeds_for(g), plan)  # fresh values through the convolution's bound plan
+
+
+def _scale_bias_relu_conv(g: Graph, layout: str = "channels_last"):
+    """relu(conv(relu(x * s + sh)) + b): batch norm's apply and ReLU before a convolution."""
+    x = g.tensor((2, 5, 7, 6), layout=layout, name="x")
+    w = g.tensor((6, 5, 3, 3), layout=layout, name="w")
+    s, sh, b = g.tensor((1, 5, 1, 1), name="s"), g.tensor((5, 1, 1), name="sh"), g.tensor((6, 1, 1), name="b")
+    h = g.relu(g.bias(g.scale(x, s, name="scaled"), sh, name="shifted"), name="act")
+    return g.relu(g.bias(g.conv_fprop(h, w, padding=1, name="conv"), b, name="hb"), name="y")
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_scale_bias_relu_folds_into_the_next_convolution(poison, layout):
+    """cuDNN's scale-bias-relu-conv: the per-channel scale, shift and ReLU before a convolution
+    run as it reads its input (one kernel with the bias + ReLU epilogue), against the float64
+    reference, twice (fresh values through the bound plan); the fallback mode keeps them apart."""
+    g = Graph()
+    g.set_output(_scale_bias_relu_conv(g, layout))
+    plan, _ = check_plan(g, feeds_for(g))
+    assert _kinds(plan) == [("conv_fprop", ["scaled", "shifted", "act", "conv", "hb", "y"])]
+    assert "folded into the convolution's input" in plan.explain()
+    check_plan(g, feeds_for(g), plan)
+    assert len(check_plan(g, feeds_for(g), mode="fallback")[0].steps) == 6  # a kernel a node
+
+
+def test_scale_bias_relu_fold_in_benchmark_mode_and_serialized():
+    """Benchmark mode times the fused plan's one engine (whichever variant wins, the values are
+    right); a fused plan serializes and loads with the fold."""
+    g = Graph()
+    g.set_output(_scale_bias_relu_conv(g))
+    check_plan(g, feeds_for(g), mode="benchmark")
+    plan, _ = check_plan(g, feeds_for(g))
+    assert plan.steps[0].fold["prologue"]["relu"]
+    again = Plan.deserialize(plan.serialize())
+    assert _kinds(again) == _kinds(plan)
+    check_plan(g, feeds_for(g), again)
+
+
+def test_scale_bias_relu_fold_under_autograd():
+    """Feeds that need gradients take the chain in torch, then conv2d: the same values, and the
+    gradient reaches x through the chain."""
+    g = Graph()
+    g.set_output(_scale_bias_relu_conv(g))
+    feeds = feeds_for(g)
+    x = feeds["x"].detach().requires_grad_(True)
+    out = g.build().execute({**feeds, "x": x})["y"]
+    ref = reference(g, {**feeds, "x": x.detach()}, torch.float64)["y"]
+    assert_close(out.detach(), ref, reference(g, {**feeds, "x": x.detach()})["y"])
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_what_does_not_fold_into_a_convolution_input():
+    """The chain stops at a tensor read twice or an output, at a leaky ReLU, at a full-shape
+    operand, and at links out of order (a scale after the ReLU folds alone)."""
+    g = Graph()
+    x = g.tensor((2, 4, 6, 6), name="x")
+    w = g.tensor((4, 4, 3, 3), name="w")
+    s = g.tensor((4, 1, 1), name="s")
+    full = g.tensor((2, 4, 6, 6), name="full")
+    shared = g.relu(g.scale(x, s, name="s1"), name="r1")
+    g.set_output(g.conv_fprop(shared, w, padding=1, name="c1"))
+    g.set_output(g.conv_fprop(shared, w, padding=1, name="c2"))  # r1 read twice
+    g.set_output(g.conv_fprop(g.leaky_relu(x, 0.1, name="leaky"), w, name="c3"))
+    g.set_output(g.conv_fprop(g.add(x, full, name="plus"), w, name="c4"))
+    g.set_output(g.conv_fprop(g.scale(g.relu(x, name="r5"), s, name="s5"), w, name="c5"))
+    plan, _ = check_plan(g, feeds_for(g))
+    kinds = _kinds(plan)
+    for name in ("c1", "c2", "c3", "c4"):
+        assert ("conv_fprop", [name]) in kinds
+    assert ("conv_fprop", ["s5", "c5"]) in kinds
+    assert any(kind == "pointwise" and "r5" in names for kind, names in kinds)
 
 
 def test_norm_folds():

@@ -145,3 +145,18 @@ def test_bf16_matmul_and_conv_epilogues():
     g.set_output(g.relu(g.bias(g.conv_fprop(x, k, padding=1), g.tensor((16, 1, 1), name="cb"))) + x)
     plan, _ = check_plan(g, feeds_for(g))
     assert len(plan.steps) == 2
+
+
+@pytest.mark.gpu_only("Triton's interpreter computes bf16 tl.dot wrongly")
+def test_bf16_scale_bias_relu_before_a_convolution():
+    """Batch norm's apply and ReLU folded into a bf16 convolution's input (channels-last, 64
+    channels: the K walk by tap and channel block; 3 channels: by row windows)."""
+    g = Graph(io_dtype=torch.bfloat16)
+    for c in (64, 3):
+        x = g.tensor((4, c, 14, 14), layout="channels_last", name=f"x{c}")
+        k = g.tensor((32, c, 3, 3), layout="channels_last", name=f"k{c}")
+        s, sh = g.tensor((c, 1, 1), name=f"s{c}"), g.tensor((c, 1, 1), name=f"sh{c}")
+        h = g.relu(g.bias(g.scale(x, s), sh))
+        g.set_output(g.conv_fprop(h, k, padding=1, name=f"conv{c}"))
+    plan, _ = check_plan(g, feeds_for(g))
+    assert [len(s.nodes) for s in plan.steps] == [4, 4]

@@ -553,3 +553,53 @@ def test_bound_forward_runs_the_plan_on_fresh_tensors():
     assert conv.bound_forward(2, x, w, b, 1, 1, 1, 1, epilogue=stored) is None
     with pytest.raises(ValueError, match="groups"):
         conv.bound_forward(2, x, w, b, 1, 1, 1, 3)
+
+
+# (input channels, groups, layout, stride, padding, dilation): the implicit GEMM's three K walks
+# under the interpreter's 16-wide K steps: by tap then channel block (20 channels: a partial
+# block), flat over (tap, channel) (3 channels a group), row windows (5 channels, channels-last;
+# and channels-first, copied channels-last first).
+PROLOGUE_CASES = [
+    (20, 1, "contiguous", 1, 1, 1),
+    (6, 2, "contiguous", 2, ((1, 2), (0, 1)), 2),
+    (5, 1, "channels_last", 1, 1, 1),
+    (5, 1, "contiguous", 2, 2, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits", [7, 2, 5])
+@pytest.mark.parametrize("case", PROLOGUE_CASES)
+def test_bound_forward_applies_the_prologue(case, bits, dtype):
+    """cuDNN's scale-bias-relu before a convolution (``prologue`` bits scale 1, shift 2, ReLU 4):
+    conv(relu(x * scale + shift)) per input channel against float64, the transformed input's
+    padding zero (the shift would make a transformed padding nonzero), with a bias and ReLU
+    epilogue; fresh values through the bound plan."""
+    cin, groups, lay, stride, padding, dilation = case
+    x = layout(torch.randn(2, cin, 9, 8, device=DEVICE, dtype=dtype), lay)
+    w = torch.randn(4, cin // groups, 3, 3, device=DEVICE, dtype=dtype)
+    b = torch.randn(4, device=DEVICE, dtype=dtype)
+    epi = Epilogue(activation="relu")
+    run = conv.bound_forward(2, x, w, b, stride, padding, dilation, groups, epilogue=epi, prologue=bits)
+    pads = [v for p in reversed(pairs(padding, 2)) for v in p]
+
+    def conv_of(t, w, b):
+        return F.relu(F.conv2d(F.pad(t, pads), w, b, stride, 0, dilation, groups))
+
+    assert run is not None
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        scale = torch.rand(cin, device=DEVICE, dtype=dtype) + 0.5 if bits & 1 else None
+        shift = torch.randn(cin, device=DEVICE, dtype=dtype) if bits & 2 else None
+        t = x.double()
+        t = t * scale.double().view(1, -1, 1, 1) if scale is not None else t
+        t = t + shift.double().view(1, -1, 1, 1) if shift is not None else t
+        t = t.clamp_min(0) if bits & 4 else t
+        got = run(x, w, b, None, None, scale, shift)
+        assert_close(got, conv_of(t, w.double(), b.double()), conv_of(t.to(dtype), w, b))
+
+
+def test_only_the_implicit_gemm_takes_a_prologue():
+    x, w = torch.randn(1, 4, 6, 6, device=DEVICE), torch.randn(4, 4, 3, 3, device=DEVICE)
+    with pytest.raises(tdnn.NotSupportedError, match="prologue"):
+        conv.bound_forward(2, x, w, None, 1, 1, 1, 1, algo="boxed_gemm", prologue=7)

@@ -47,6 +47,11 @@ def _dag_graph(shape: tuple[int, ...]) -> Graph:
     return g
 
 
+def _sbr_conv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    c = scale.numel()
+    return F.conv2d(F.relu(x * scale.view(1, c, 1, 1) + shift.view(1, c, 1, 1)), w, padding=1)
+
+
 def _conv_ref(x, w, b, r):
     return F.relu(F.conv2d(x, w, b, padding=1)) + r
 
@@ -136,7 +141,25 @@ def cases(quick: bool) -> Iterator[Case]:
         ),
         flops=2 * nb * c * hw * hw * c * 9,
     )
-    del xc, r, w, b, feeds, conv_plan
+    # Batch norm's apply and ReLU before the convolution (cuDNN's scale-bias-relu-conv): folded
+    # into the implicit GEMM's reading of x, against PyTorch's three ops and the convolution.
+    scale, shift = _randn(c).abs() + 0.5, _randn(c)
+    g = Graph(io_dtype=BF16, name="sbr_conv")
+    gx, gw = g.tensor_like(xc, name="x"), g.tensor_like(w, name="w")
+    gs, gsh = g.tensor((c, 1, 1), name="s"), g.tensor((c, 1, 1), name="sh")
+    g.set_output(g.conv_fprop(g.relu(g.bias(g.scale(gx, gs), gsh)), gw, padding=1))
+    sbr_plan = g.build()
+    feeds = {"x": xc, "w": w, "s": scale.view(c, 1, 1), "sh": shift.view(c, 1, 1)}
+    yield Case(
+        f"scale+bias+relu then conv2d 3x3 {c} @{hw} N{nb} bf16 NHWC fwd",
+        providers(
+            tritondnn=partial(sbr_plan.execute, feeds),
+            torch=partial(_sbr_conv_ref, xc, w, scale, shift),
+            torch_compile=compiled(_sbr_conv_ref, xc, w, scale, shift),
+        ),
+        flops=2 * nb * c * hw * hw * c * 9,
+    )
+    del xc, r, w, b, feeds, conv_plan, sbr_plan
     m = 256 if INTERPRET else 8192
     a, wm, bm = _randn(m, m), _randn(m, m), _randn(m)
     g = Graph(io_dtype=BF16, name="gemm_gelu")

@@ -5,7 +5,9 @@ In order, on a validated graph:
 1. Epilogues: a matmul or forward convolution absorbs the single-consumer pointwise chain after
    it when ``Epilogue`` can express it: a constant scale (alpha), a full-shape add before the
    activation (C), a bias (per column for matmul, per channel for convolution), one activation,
-   a full-shape add after it (residual), a cast.
+   a full-shape add after it (residual), a cast. Prologues: a forward convolution then absorbs
+   the chain producing its input when it is cuDNN's scale-bias-relu (batch norm's apply and a
+   ReLU): a per-channel scale, a per-channel shift, ReLU, in that order, each optional.
 2. Norms: a residual add before layernorm/rmsnorm becomes ``add_layer_norm``/``add_rms_norm``;
    one activation after a norm folds into it.
 3. Pointwise groups: pointwise nodes merge (along edges, and siblings reading the same tensor)
@@ -107,6 +109,9 @@ def partition(graph: Graph, mode: str) -> tuple[list[Step], list[str]]:
         for node in graph.nodes:
             if node.op in ("matmul", "conv_fprop"):
                 steps.append(_fold_epilogue(node, cons, claimed))
+        for step in steps:
+            if step.kind == "conv_fprop":
+                _fold_prologue(step, cons, claimed)
         for node in graph.nodes:
             if node.kind == "norm" and node.uid not in claimed:
                 steps.append(_fold_norm(node, cons, claimed))
@@ -292,6 +297,74 @@ def _absorb(node: Node, u: Node, t: GraphTensor, fold: dict[str, Any], stage: in
     return (
         f"operand '{other.name}' {other.describe()} is neither a bias nor a full-shape tensor the epilogue "
         "still has room for"
+    )
+
+
+def _per_channel(t: GraphTensor, x: GraphTensor) -> bool:
+    """Whether ``t`` broadcasts over ``x`` (N, C, spatial...) as one value per channel."""
+    c, spatial = x.shape[1], [1] * (x.ndim - 2)
+    return not t.is_scalar and t.shape in ((c, *spatial), (1, c, *spatial)) and t.dtype.is_floating_point
+
+
+def _fold_prologue(step: Step, cons: dict[int, list[Node]], claimed: dict[int, Step]) -> None:
+    """Fold into convolution ``step`` the pointwise chain producing its input when every link is,
+    walking from the input back, a ReLU, then a per-channel shift (add/bias), then a per-channel
+    scale (mul/scale), each optional, each link's output read by the next link alone and no graph
+    output; the chain's own input must have the convolution input's shape and dtype. The kernel
+    computes ``relu(x * scale + shift)`` in fp32 (fp64) and rounds once, where the unfused chain
+    rounds to each link's dtype."""
+    node = step.main
+    assert node is not None
+    conv_in = node.inputs[0]
+    assert conv_in is not None
+    links: list[Node] = []
+    fold: dict[str, Any] = {"scale": None, "shift": None, "relu": False}
+    t, stage = conv_in, 3  # links still allowed: 3 any, 2 shift or scale, 1 scale
+    while True:
+        u = t.producer
+        if (
+            u is None
+            or u.kind != "pointwise"
+            or u.uid in claimed
+            or t.is_output
+            or len(cons.get(t.uid, [])) != 1
+        ):
+            break
+        if u.op == "relu" and stage == 3 and u.attrs["params"] == _NORM_ACTIVATIONS["relu"]:
+            fold["relu"], stage, t = True, 2, u.inputs[0]
+        elif (u.op in ADDITIVE and stage >= 2) or (u.op in MULTIPLICATIVE and stage >= 1):
+            a, b = u.inputs
+            operand = b if a is not None and not a.is_scalar and a.shape == conv_in.shape else a
+            source = a if operand is b else b
+            if operand is None or source is None or not _per_channel(operand, conv_in):
+                break
+            if u.op in ADDITIVE:
+                fold["shift"], stage = operand, 1
+            else:
+                fold["scale"], stage = operand, 0
+            t = source
+        else:
+            break
+        links.append(u)
+        assert t is not None
+        if stage == 0:
+            break
+    if not links:
+        return
+    if t.shape != conv_in.shape or t.dtype != conv_in.dtype or t.is_scalar:
+        step.notes.append(
+            f"prologue: {links[-1].name}..{links[0].name} not folded: its input '{t.name}' {t.describe()} "
+            f"does not match the convolution's input {conv_in.describe()}"
+        )
+        return
+    fold["x"] = t
+    step.fold["prologue"] = fold
+    step.nodes[:0] = reversed(links)
+    for u in links:
+        claimed[u.uid] = step
+    step.notes.append(
+        "prologue: " + ", ".join(u.name for u in reversed(links)) + " folded into the convolution's input "
+        "(scale-bias-relu, implicit_gemm)"
     )
 
 

@@ -360,7 +360,8 @@ class Plan:
             elif step.kind == "concatenate":
                 what = f"generated copy kernels ({len(step.nodes[0].inputs)})"
             else:
-                what = f"{step.kind} [engine: {self._engines[i] or 'heuristic'}]" + _fold_text(step)
+                engine = self._engines[i] or ("implicit_gemm" if "prologue" in step.fold else "heuristic")
+                what = f"{step.kind} [engine: {engine}]" + _fold_text(step)
             lines.append(f"  [{i}] {what}: nodes {names} -> {writes}")
             lines += [f"        {note}" for note in step.notes]
         if self.notes:
@@ -422,7 +423,14 @@ def _fold_text(step: Step) -> str:
             parts.append(f"residual add {f['add'].name}")
         if f.get("activation"):
             parts.append(f"activation {f['activation']}")
-    return f" + epilogue ({', '.join(parts)})" if parts else ""
+    text = f" + epilogue ({', '.join(parts)})" if parts else ""
+    pro = f.get("prologue")
+    if pro is not None:
+        what = [f"{key} '{pro[key].name}'" for key in ("scale", "shift") if pro[key] is not None]
+        text = (
+            f" + prologue on '{pro['x'].name}' ({', '.join(what + (['relu'] if pro['relu'] else []))})" + text
+        )
+    return text
 
 
 def _same_layout(t: GraphTensor, value: torch.Tensor) -> bool:

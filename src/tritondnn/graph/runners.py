@@ -16,6 +16,7 @@ import torch
 
 from ..core.engine import engines
 from ..ops import attention, conv, matmul, norm, pool, reduce
+from ..ops.conv.problem import PROLOGUE_RELU, PROLOGUE_SCALE, PROLOGUE_SHIFT
 from ..ops.epilogue import Epilogue
 
 # The norm ops' custom ops, private to ops/norm: the public layer_norm / rms_norm / instance_norm
@@ -42,6 +43,8 @@ def predict_layouts(step: Step, layouts: dict) -> dict[int, tuple[int, ...]]:
     node = step.main
     assert node is not None
     lead = node.inputs[1] if node.kind == "norm_backward" else node.inputs[0]  # dx follows x
+    if "prologue" in step.fold:  # the convolution reads the chain's input
+        lead = step.fold["prologue"]["x"]
     first = lead if step.fold.get("add") is None else step.fold["add"].inputs[0]
     assert first is not None
     keep = _channels_last(first, layouts[first.uid][0]) and node.op in (
@@ -108,6 +111,8 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
             return run
         nd = len(node.inputs[0].shape) - 2  # type: ignore[union-attr]
         geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
+        if "prologue" in fold:
+            return _prologue_conv_runner(fold, nd, geo, w, bias, c, res, epi, final)
         # The convolution's plan bound once per tensor signature: a plan executes many times on
         # the same shapes, and conv{nd}d's checks and dispatch cost more host time than a 3x3
         # 64 @56 kernel takes (118-159 us an execute on slower hosts for ~70 us of kernel).
@@ -355,10 +360,58 @@ def _simple(fn: Callable[[list], Any], outs: list[int]) -> Run:
     return run_many
 
 
+def _prologue_conv_runner(
+    fold: dict, nd: int, geo: tuple, w: int, bias, c, res, epi: Epilogue, final: int
+) -> Run:
+    """A forward convolution whose input is ``relu(x * scale + shift)`` per channel, computed as
+    the implicit GEMM reads x (``conv.bound_forward``'s prologue); under autograd, or where no
+    plan can be bound, the chain in torch (fp32 or fp64, rounded once) and then conv{nd}d."""
+    pro = fold["prologue"]
+    x, scale, shift = _env(pro["x"]), _env(pro["scale"]), _env(pro["shift"])
+    bits = (
+        (PROLOGUE_SCALE if scale is not None else 0)
+        | (PROLOGUE_SHIFT if shift is not None else 0)
+        | (PROLOGUE_RELU if pro["relu"] else 0)
+    )
+    bound: dict[tuple, Callable[..., torch.Tensor] | None] = {}
+
+    def get(env: list, i: int | None) -> Any:
+        return None if i is None else env[i]
+
+    def run(env: list, device: torch.device, presets: dict | None) -> None:
+        per_channel = [None if i is None else env[i].reshape(-1) for i in (scale, shift)]
+        b = None if bias is None else env[bias].reshape(-1)
+        tensors = (env[x], env[w], b, get(env, c), get(env, res), *per_channel)
+        options = {"epilogue": epi, "c": tensors[3], "residual": tensors[4]}
+        program = None
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+            key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+            if key not in bound:
+                bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options, prologue=bits)
+            program = bound[key]
+        if program is not None:
+            env[final] = program(*tensors)
+            return
+        xt = tensors[0]
+        v = xt.to(torch.float64 if xt.dtype == torch.float64 else torch.float32)
+        shape = (1, -1, *([1] * nd))
+        if per_channel[0] is not None:
+            v = v * per_channel[0].view(shape)
+        if per_channel[1] is not None:
+            v = v + per_channel[1].view(shape)
+        if pro["relu"]:
+            v = torch.relu(v)
+        env[final] = _CONV[nd](v.to(xt.dtype), *tensors[1:3], *geo, **options)
+
+    return run
+
+
 def conv_engines(step: Step, env: list) -> list[str]:
     """Names of the engines that can run a convolution step on ``env``'s tensors (benchmark mode)."""
     node = step.main
     assert node is not None
+    if "prologue" in step.fold:
+        return ["implicit_gemm"]  # the one engine that applies it
     a = node.attrs
     x, w = (env[t.uid] for t in node.inputs[:2])  # type: ignore[union-attr]
     geo = (a["stride"], a["padding"], a["dilation"], a["groups"])

@@ -120,8 +120,9 @@ def _parse(op, nd, input, weight, bias, stride, padding, dilation, groups):
 
 
 def _conv(
-    op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, bind=False
-):
+    op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, bind=False,
+    prologue=0,
+):  # fmt: skip
     given = (input, bias, c, residual)
     key = None
     if not bind and algo is None and epilogue is None and c is None and residual is None:
@@ -160,9 +161,13 @@ def _conv(
         ):
             return None  # the checks reshaped or copied a tensor: calls would need them again
         run = forward_plan(
-            x, weight, bias, c, residual, *geometry, epi.activation_kind, False, out_dtype, algo
+            x, weight, bias, c, residual, *geometry, epi.activation_kind, False, out_dtype, algo, prologue
         )
         scalars = (epi.alpha, epi.beta, p0, p1)
+        if prologue:
+            return lambda x, w, bias, c, residual, scale, shift: run(
+                x, w, bias, c, residual, *scalars, scale, shift
+            )[0]
         return lambda x, w, bias, c, residual: run(x, w, bias, c, residual, *scalars)[0]
     if key is not None:  # validated: later calls with this key skip the checks
         fast = eager.eager_program(x, weight, bias, geometry)
@@ -196,16 +201,25 @@ def bound_forward(
     epilogue: Epilogue | None = None,
     c: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    prologue: int = 0,
 ):
     """``run(input, weight, bias, c, residual) -> y``: the forward of ``conv{nd}d`` with these
     arguments, checked once here, then run straight on its plan for tensors of the same shapes,
     strides and dtypes (an operation graph's execute calls it every time; no autograd). None where
     a plan cannot be bound: unbatched input, a stored pre-activation, or a tensor that the checks
-    reshape or copy. Raises what ``conv{nd}d`` raises for bad arguments."""
+    reshape or copy. Raises what ``conv{nd}d`` raises for bad arguments.
+
+    ``prologue``: bits of ``problem.PROLOGUE_SCALE``, ``PROLOGUE_SHIFT``, ``PROLOGUE_RELU``: the
+    convolution reads ``relu(input * scale + shift)`` (per input channel, each part where its bit
+    is set; cuDNN's scale-bias-relu before a convolution, e.g. batch norm's apply folded into the
+    next convolution), and ``run`` takes ``scale, shift`` last: (C_in,) contiguous tensors on the
+    input's device, None where their bit is clear (not checked per call). Only the implicit GEMM
+    applies a prologue."""
     op = f"tdnn.conv{nd}d"
     return _conv(
-        op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, True
-    )
+        op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, True,
+        prologue,
+    )  # fmt: skip
 
 
 _CONV_DOC = """``F.conv{nd}d``: cross-correlation of ``input`` with ``weight``, plus ``bias``, through

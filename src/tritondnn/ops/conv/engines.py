@@ -278,23 +278,26 @@ def row_window(p: ConvProblem) -> bool:
 def _igemm_launch(
     p: ConvProblem, config: LaunchConfig, m: int, ints: tuple, cols: int, ck: int, window: bool
 ):
-    """The launch of ``_igemm_kernel``; ``window``: the K walk by row windows may be used."""
+    """The launch of ``_igemm_kernel``; ``window``: the K walk by row windows may be used. Called
+    with the kernel's seven tensors and its floats; with ``p.prologue``, its scale and shift
+    tensors after the seven."""
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     walk = 0
     if ck < bk:
         walk = 2 if window else 1
     if walk == 2:  # a chunk as wide as the window, no wider
         bk = min(bk, max(16, 1 << (p.kernel[2] * ck - 1).bit_length()))
-    return launcher(
+    launch = launcher(
         _igemm_kernel,
         (cdiv(m, bm) * cdiv(cols, bn), p.groups),
-        num_tensors=7,
+        num_tensors=9,
         ints=ints,
         constexprs=(
             *epilogue_constexprs(p),
             *dot_constexprs(p),
             p.index_64,
             walk,
+            p.prologue,
             bm,
             bn,
             bk,
@@ -303,6 +306,13 @@ def _igemm_launch(
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
+    if p.prologue:
+        return launch
+
+    def run(src, w, out, c, bias, res, pre, *floats) -> None:
+        launch(src, w, out, c, bias, res, pre, out, out, *floats)  # no scale or shift
+
+    return run
 
 
 def _igemm_cost(p: ConvProblem, config: LaunchConfig, cols: int, ck: int, gather_eff: float = 1.0) -> float:

@@ -28,7 +28,8 @@ reduction runs over (tap, source channel). Three K walks (``K_WALK``):
 Arguments, documented once:
 
 * tensors: ``src`` (x, or the output gradient), ``w`` (weights), ``out``, then the epilogue's
-  ``c``, ``bias``, ``res``, ``pre`` (laid out as ``out``; ``out`` stands in for absent ones);
+  ``c``, ``bias``, ``res``, ``pre`` (laid out as ``out``; ``out`` stands in for absent ones), then
+  the prologue's per-channel ``scale`` and ``shift`` (``_prologue``; ``out`` where absent);
 * floats: ``alpha, beta, p0, p1`` (``ops.epilogue``);
 * ints: ``M`` rows, ``NCOLS`` columns per group, ``CK`` source channels per group, the row grid
   ``OD, OH, OW``, the source bounds ``ID, IH, IW``, the tap counts ``TD, TH, TW``; strides of src
@@ -36,8 +37,8 @@ Arguments, documented once:
   column, ``w_d, w_h, w_w``: taps; ``w_group``: one group's step), of out (``o_*``), the bias
   step; the geometry above; ``row_limit``, above every valid output offset.
 * constexprs: the epilogue flags, ``ACC`` (accumulator dtype), ``PRECISION`` ("ieee"/"tf32"/"tf32x3"),
-  ``UPCAST`` (bf16 dots on fp32 copies under the interpreter), ``INDEX_64``, ``K_WALK`` and the
-  tile sizes.
+  ``UPCAST`` (bf16 dots on fp32 copies under the interpreter), ``INDEX_64``, ``K_WALK``, the
+  ``PROLOGUE`` bits (``problem.PROLOGUE_*``) and the tile sizes.
 """
 
 from __future__ import annotations
@@ -51,8 +52,24 @@ from ..matmul.kernels import dot, grouped
 
 
 @triton.jit
+def _prologue(a, ok, scale_ptr, shift_ptr, channel, channel_ok, ACC: tl.constexpr, PROLOGUE: tl.constexpr):
+    """cuDNN's scale-bias-relu on an A tile as it is read: ``a * scale + shift`` per source channel
+    (``channel``: each column's), then ReLU (``PROLOGUE`` bits 1, 2, 4), in ACC, rounded once to
+    a's dtype. Positions outside the input (``ok`` False: padding) stay zero, as the transformed
+    input's zero padding would be."""
+    v = a.to(ACC)
+    if PROLOGUE & 1:
+        v = v * tl.load(scale_ptr + channel, mask=channel_ok, other=0.0).to(ACC)[None, :]
+    if PROLOGUE & 2:
+        v = v + tl.load(shift_ptr + channel, mask=channel_ok, other=0.0).to(ACC)[None, :]
+    if PROLOGUE & 4:
+        v = tl.maximum(v, 0.0)
+    return tl.where(ok, v, 0.0).to(a.dtype)
+
+
+@triton.jit
 def _igemm_kernel(
-    src_ptr, w_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr,
+    src_ptr, w_ptr, out_ptr, c_ptr, bias_ptr, res_ptr, pre_ptr, scale_ptr, shift_ptr,
     alpha, beta, p0, p1,
     M, NCOLS, CK, OD, OH, OW, ID, IH, IW, TD, TH, TW,
     s_n, s_c, s_d, s_h, s_w,
@@ -63,7 +80,7 @@ def _igemm_kernel(
     os_d, os_h, os_w, oo_d, oo_h, oo_w, row_limit,
     HAS_C: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    INDEX_64: tl.constexpr, K_WALK: tl.constexpr,
+    INDEX_64: tl.constexpr, K_WALK: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_M x BLOCK_N output tile of one group. Grid: (row tiles * column tiles, groups)."""
@@ -108,6 +125,8 @@ def _igemm_kernel(
             ok = row_ok[:, None] & (pos >= 0) & (pos < IW * CK) & (j < window)[None, :]
             a = tl.load(src_rows[:, None] + (sd * s_d + sh * s_h)[:, None] + pos, mask=ok, other=0.0)
             c = j % CK
+            if PROLOGUE != 0:
+                a = _prologue(a, ok, scale_ptr, shift_ptr, g * CK + c, j < window, ACC, PROLOGUE)
             tw = j // CK
             w_off = c * w_k + (wt_d + td * ws_d) * w_d + (wt_h + th * ws_h) * w_h + (wt_w + tw * ws_w) * w_w
             b = tl.load(
@@ -134,6 +153,8 @@ def _igemm_kernel(
             ok = ok & ((sh >= 0) & (sh < IH)) & ((sw >= 0) & (sw < IW))
             a_ptrs = src_rows[:, None] + (c * s_c)[None, :] + sd * s_d + sh * s_h + sw * s_w
             a = tl.load(a_ptrs, mask=ok, other=0.0)
+            if PROLOGUE != 0:
+                a = _prologue(a, ok, scale_ptr, shift_ptr, g * CK + c, k_ok, ACC, PROLOGUE)
             w_off = c * w_k + (wt_d + td * ws_d) * w_d + (wt_h + th * ws_h) * w_h + (wt_w + tw * ws_w) * w_w
             b = tl.load(
                 w_base + w_off[:, None] + cols[None, :] * w_j, mask=k_ok[:, None] & col_ok[None, :], other=0.0
@@ -155,6 +176,10 @@ def _igemm_kernel(
             ok = m_ok & (sd >= 0) & (sd < ID) & (sh >= 0) & (sh < IH) & (sw >= 0) & (sw < IW)
             a_ptrs = src_rows[:, None] + (sd * s_d + sh * s_h + sw * s_w)[:, None] + (c * s_c)[None, :]
             a = tl.load(a_ptrs, mask=ok[:, None] & c_ok[None, :], other=0.0)
+            if PROLOGUE != 0:
+                a = _prologue(
+                    a, ok[:, None] & c_ok[None, :], scale_ptr, shift_ptr, g * CK + c, c_ok, ACC, PROLOGUE
+                )
             w_off = (wt_d + td * ws_d) * w_d + (wt_h + th * ws_h) * w_h + (wt_w + tw * ws_w) * w_w
             b_ptrs = w_base + w_off + c[:, None] * w_k + cols[None, :] * w_j
             b = tl.load(b_ptrs, mask=c_ok[:, None] & col_ok[None, :], other=0.0)

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ...core.config import config
+from ...core.errors import NotSupportedError
 from ...core.library import custom_op
-from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
+from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY, ImplicitGemmEngine
 from .problem import (
     ConvProblem,
     channels_last,
@@ -98,8 +99,24 @@ def _epilogue_run(problem, family, algo, out_shape, out_dtype, pre_dtype, last, 
             pre = empty_conv_tensor(out_shape, pre_dtype, src.device, last) if store_pre else None
             return (*tensors(src, w, y, bias, c, residual, pre), 1.0, 1.0, 0.0, 0.0)
 
-        choice = family.choose(problem, algo, timing_args, f"tdnn.{family.name}")
-        launch = choice.engine.bind(problem, choice.config)
+        if problem.prologue:  # only the implicit GEMM applies one (forward_plan checked algo)
+            engine = ImplicitGemmEngine()
+            launch = engine.bind(problem, engine.configs(problem)[0])
+        else:
+            choice = family.choose(problem, algo, timing_args, f"tdnn.{family.name}")
+            launch = choice.engine.bind(problem, choice.config)
+
+    if problem.prologue:
+
+        def run_prologue(src, w, bias, c, residual, alpha, beta, p0, p1, scale, shift):
+            y = empty_conv_tensor(out_shape, out_dtype, src.device, last)
+            pre = empty_conv_tensor(out_shape, pre_dtype, src.device, last) if store_pre else None
+            if launch is not None:
+                read = (y if scale is None else scale, y if shift is None else shift)
+                launch(*tensors(src, w, y, bias, c, residual, pre), *read, alpha, beta, p0, p1)
+            return y, pre
+
+        return run_prologue
 
     def run(src, w, bias, c, residual, alpha, beta, p0, p1):
         y = empty_conv_tensor(out_shape, out_dtype, src.device, last)
@@ -136,8 +153,17 @@ def forward_plan(
     store_pre,
     out_dtype,
     algo,
+    prologue=0,
 ):
-    """``run(x, w, bias, c, residual, alpha, beta, p0, p1) -> (y, pre or None)`` for these shapes."""
+    """``run(x, w, bias, c, residual, alpha, beta, p0, p1) -> (y, pre or None)`` for these shapes.
+    With ``prologue`` bits (``problem.PROLOGUE_*``): ``run(..., p1, scale, shift)``, x transformed
+    per input channel as the implicit GEMM reads it (scale, shift: (C_in,) contiguous, or None
+    where their bit is clear); other engines apply none."""
+    if prologue and algo not in (None, ImplicitGemmEngine.name):
+        why = ["applies no input prologue (scale, shift, ReLU); only 'implicit_gemm' does"]
+        raise NotSupportedError(
+            "conv", f"a forward convolution of {tuple(x.shape)} with a prologue", {algo: why}
+        )
     key = (
         "fwd",
         config.version,
@@ -155,6 +181,7 @@ def forward_plan(
         store_pre,
         out_dtype,
         algo,
+        prologue,
     )
     run = _plans.get(key)
     if run is None:
@@ -179,6 +206,7 @@ def forward_plan(
             groups,
             x.dtype,
             out_dtype,
+            prologue=prologue,
             **_flags(bias, c, residual, activation, store_pre),
         )
         pre_dtype = torch.promote_types(x.dtype, out_dtype)

@@ -95,6 +95,10 @@ def output_size(size: int, kernel: int, stride: int, pre: int, post: int, dilati
     return (size + pre + post - dilation * (kernel - 1) - 1) // stride + 1
 
 
+# ``ConvProblem.prologue`` bits: x * scale[c], + shift[c], then ReLU (in that order).
+PROLOGUE_SCALE, PROLOGUE_SHIFT, PROLOGUE_RELU = 1, 2, 4
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvProblem(Problem):
     """One convolution, in the terms of the forward convolution ``y = conv(x, w)``.
@@ -105,6 +109,9 @@ class ConvProblem(Problem):
     the written tensor's. Epilogue (``fwd`` and ``dgrad``, where the written tensor is y or x):
     ``bias``, ``has_c``, ``residual`` (tensors laid out as the output), ``activation`` (an
     ``Activation`` value or -1), ``store_pre``. ``tf32``: fp32 products may use TF32.
+    ``prologue`` (``fwd``, the implicit GEMM only): what is applied to x per input channel as it
+    is read, a bit mask of ``PROLOGUE_SCALE``, ``PROLOGUE_SHIFT``, ``PROLOGUE_RELU`` (cuDNN's
+    scale-bias-relu before a convolution); 0 for none.
     """
 
     direction: str
@@ -131,6 +138,7 @@ class ConvProblem(Problem):
     store_pre: bool = False
     tf32: bool = False
     deterministic: bool = False
+    prologue: int = 0
 
     @property
     def taps(self) -> int:

@@ -1,9 +1,10 @@
 """tritondnn's operation graph in a page: describe, build (fuse), explain, execute, serialize.
 
 Tensors are edges, operations are nodes. ``build`` partitions the graph into kernels: the
-convolution takes the per-channel scale, shift and ReLU before it (batch norm's apply) into the
-reading of its input, its bias, ReLU and residual add into its epilogue; the pointwise tail and
-the reduction after it become one generated Triton kernel.
+per-channel scale, shift and ReLU before the convolution (batch norm's apply) become one generated
+kernel (benchmark mode also times them folded into the convolution's reading of its input: the
+"fused_prologue" candidate); the convolution takes its bias, ReLU and residual add into its
+epilogue; the pointwise tail and the reduction after it become one generated Triton kernel.
 """
 
 import torch

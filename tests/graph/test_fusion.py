@@ -154,28 +154,34 @@ def _scale_bias_relu_conv(g: Graph, layout: str = "channels_last"):
 
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
 def test_scale_bias_relu_folds_into_the_next_convolution(poison, layout):
-    """cuDNN's scale-bias-relu-conv: the per-channel scale, shift and ReLU before a convolution
-    run as it reads its input (one kernel with the bias + ReLU epilogue), against the float64
-    reference, twice (fresh values through the bound plan); the fallback mode keeps them apart."""
+    """cuDNN's scale-bias-relu-conv (the "fused_prologue" variant): the per-channel scale, shift
+    and ReLU before a convolution run as it reads its input (one kernel with the bias + ReLU
+    epilogue), against the float64 reference, twice (fresh values through the bound plan). Fast
+    mode keeps them a kernel of their own and says the fold exists; fallback runs a kernel a node."""
     g = Graph()
     g.set_output(_scale_bias_relu_conv(g, layout))
-    plan, _ = check_plan(g, feeds_for(g))
+    plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
     assert _kinds(plan) == [("conv_fprop", ["scaled", "shifted", "act", "conv", "hb", "y"])]
     assert "folded into the convolution's input" in plan.explain()
     check_plan(g, feeds_for(g), plan)
-    assert len(check_plan(g, feeds_for(g), mode="fallback")[0].steps) == 6  # a kernel a node
+    fast, _ = check_plan(g, feeds_for(g))
+    assert _kinds(fast) == [("pointwise", ["scaled", "shifted", "act"]), ("conv_fprop", ["conv", "hb", "y"])]
+    assert "could fold into the convolution's input" in fast.explain()
+    assert len(check_plan(g, feeds_for(g), mode="fallback")[0].steps) == 6
 
 
 def test_scale_bias_relu_fold_in_benchmark_mode_and_serialized():
-    """Benchmark mode times the fused plan's one engine (whichever variant wins, the values are
-    right); a fused plan serializes and loads with the fold."""
+    """Benchmark mode times the three partitions (whichever wins, the values are right) and lists
+    them; a plan with the fold serializes and loads with it."""
     g = Graph()
     g.set_output(_scale_bias_relu_conv(g))
-    check_plan(g, feeds_for(g), mode="benchmark")
-    plan, _ = check_plan(g, feeds_for(g))
+    plan, _ = check_plan(g, feeds_for(g), mode="benchmark")
+    assert sorted(c.name for c in plan.candidates()) == ["fused", "fused_prologue", "unfused"]
+    assert all(c.measured_ms is not None for c in plan.candidates())
+    plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
     assert plan.steps[0].fold["prologue"]["relu"]
     again = Plan.deserialize(plan.serialize())
-    assert _kinds(again) == _kinds(plan)
+    assert again.variant == "fused_prologue" and _kinds(again) == _kinds(plan)
     check_plan(g, feeds_for(g), again)
 
 
@@ -186,7 +192,7 @@ def test_scale_bias_relu_fold_under_autograd():
     g.set_output(_scale_bias_relu_conv(g))
     feeds = feeds_for(g)
     x = feeds["x"].detach().requires_grad_(True)
-    out = g.build().execute({**feeds, "x": x})["y"]
+    out = Plan(g, "fast", "fused_prologue").execute({**feeds, "x": x})["y"]
     ref = reference(g, {**feeds, "x": x.detach()}, torch.float64)["y"]
     assert_close(out.detach(), ref, reference(g, {**feeds, "x": x.detach()})["y"])
     out.sum().backward()
@@ -207,7 +213,7 @@ def test_what_does_not_fold_into_a_convolution_input():
     g.set_output(g.conv_fprop(g.leaky_relu(x, 0.1, name="leaky"), w, name="c3"))
     g.set_output(g.conv_fprop(g.add(x, full, name="plus"), w, name="c4"))
     g.set_output(g.conv_fprop(g.scale(g.relu(x, name="r5"), s, name="s5"), w, name="c5"))
-    plan, _ = check_plan(g, feeds_for(g))
+    plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
     kinds = _kinds(plan)
     for name in ("c1", "c2", "c3", "c4"):
         assert ("conv_fprop", [name]) in kinds

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from graph_check import check_plan, feeds_for
 
 from helpers import assert_close, randn
-from tritondnn.graph import Graph
+from tritondnn.graph import Graph, Plan
 
 
 def test_conv_forward_and_gradients():
@@ -158,5 +158,5 @@ def test_bf16_scale_bias_relu_before_a_convolution():
         s, sh = g.tensor((c, 1, 1), name=f"s{c}"), g.tensor((c, 1, 1), name=f"sh{c}")
         h = g.relu(g.bias(g.scale(x, s), sh))
         g.set_output(g.conv_fprop(h, k, padding=1, name=f"conv{c}"))
-    plan, _ = check_plan(g, feeds_for(g))
+    plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
     assert [len(s.nodes) for s in plan.steps] == [4, 4]

@@ -19,7 +19,8 @@ In order, on a validated graph:
    the same dimensions of one group share it.
 5. Everything else is a step of its own; steps are ordered topologically.
 
-``"fallback"`` mode skips 1-4. Every decision not to fuse is kept as a note for ``explain``.
+``"fallback"`` mode skips 1-4; prologues fold in ``"prologue"`` mode only (plan.VARIANTS says why).
+Every decision not to fuse is kept as a note for ``explain``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def partition(graph: Graph, mode: str) -> tuple[list[Step], list[str]]:
                 steps.append(_fold_epilogue(node, cons, claimed))
         for step in steps:
             if step.kind == "conv_fprop":
-                _fold_prologue(step, cons, claimed)
+                _fold_prologue(step, cons, claimed, mode == "prologue")
         for node in graph.nodes:
             if node.kind == "norm" and node.uid not in claimed:
                 steps.append(_fold_norm(node, cons, claimed))
@@ -306,13 +307,14 @@ def _per_channel(t: GraphTensor, x: GraphTensor) -> bool:
     return not t.is_scalar and t.shape in ((c, *spatial), (1, c, *spatial)) and t.dtype.is_floating_point
 
 
-def _fold_prologue(step: Step, cons: dict[int, list[Node]], claimed: dict[int, Step]) -> None:
+def _fold_prologue(step: Step, cons: dict[int, list[Node]], claimed: dict[int, Step], fold_it: bool) -> None:
     """Fold into convolution ``step`` the pointwise chain producing its input when every link is,
     walking from the input back, a ReLU, then a per-channel shift (add/bias), then a per-channel
     scale (mul/scale), each optional, each link's output read by the next link alone and no graph
     output; the chain's own input must have the convolution input's shape and dtype. The kernel
     computes ``relu(x * scale + shift)`` in fp32 (fp64) and rounds once, where the unfused chain
-    rounds to each link's dtype."""
+    rounds to each link's dtype. Unless ``fold_it`` (the "prologue" mode), only notes that it could
+    (see ``plan.VARIANTS`` for why fast mode does not)."""
     node = step.main
     assert node is not None
     conv_in = node.inputs[0]
@@ -357,14 +359,20 @@ def _fold_prologue(step: Step, cons: dict[int, list[Node]], claimed: dict[int, S
             f"does not match the convolution's input {conv_in.describe()}"
         )
         return
+    names = ", ".join(u.name for u in reversed(links))
+    if not fold_it:
+        step.notes.append(
+            f"prologue: {names} could fold into the convolution's input (measured slower; benchmark mode "
+            "times it)"
+        )
+        return
     fold["x"] = t
     step.fold["prologue"] = fold
     step.nodes[:0] = reversed(links)
     for u in links:
         claimed[u.uid] = step
     step.notes.append(
-        "prologue: " + ", ".join(u.name for u in reversed(links)) + " folded into the convolution's input "
-        "(scale-bias-relu, implicit_gemm)"
+        f"prologue: {names} folded into the convolution's input (scale-bias-relu, implicit_gemm)"
     )
 
 

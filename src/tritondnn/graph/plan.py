@@ -23,10 +23,20 @@ from .partition import Step, consumers_of, partition
 from .runners import conv_engines, library_runner, predict_layouts
 from .types import GraphTensor, dtype_name, error
 
-VARIANTS = ("fused", "unfused")
+# The partitions a plan may run (name -> the partitioner's mode): fast mode runs "fused", fallback
+# mode "unfused"; benchmark mode times each (the third where it differs from "fused") and keeps the
+# fastest. "fused_prologue" also folds a per-channel scale, shift and ReLU into the next forward
+# convolution's input (the implicit GEMM's prologue): not in fast mode, because it measured slower
+# than the two kernels apart on an H200 (3x3 64 @56 N64 bf16 NHWC: 132.9 us folded against 87.6
+# for four unfused kernels; the implicit GEMM alone 77.0, the boxed GEMM 47.7): every tap
+# transforms the pixels it reads again, where a separate pass transforms each once.
+VARIANTS = {"fused": "fast", "unfused": "fallback", "fused_prologue": "prologue"}
 _LIB_BYTES_PER_US = 2.0e6  # a nominal HBM rate for the cost model (2 TB/s)
 _FLOPS_PER_US = 4.0e8  # a nominal tensor-core rate (400 TFLOP/s)
 _LAUNCH_US = 4.0
+# Input elements a convolution prologue transforms a microsecond: an H200's implicit GEMM took 56
+# us longer with one (3x3 64 @56 N64 bf16: 12.8M elements, each read by 9 taps).
+_PROLOGUE_PER_US = 2.0e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +44,8 @@ class Candidate:
     """One way to run the graph: ``plan.candidates()`` lists them, best first.
 
     Attributes:
-        name: ``"fused"`` (the partitioner's kernels) or ``"unfused"`` (one kernel per node).
+        name: ``"fused"`` (the partitioner's kernels), ``"unfused"`` (one kernel per node) or
+            ``"fused_prologue"`` (``"fused"`` with convolution input prologues, see ``VARIANTS``).
         kernels: steps it launches.
         estimated_us: the cost model's time (bytes moved, flops, launches).
         measured_ms: the median time measured in benchmark mode, else None.
@@ -86,6 +97,10 @@ def estimate_us(steps: list[Step], cons: dict) -> float:
             continue
         moved = sum(_bytes(t) for t in s.reads()) + sum(_bytes(t) for t in s.writes(cons))
         total += max(moved / _LIB_BYTES_PER_US, _flops(s) / _FLOPS_PER_US) + _LAUNCH_US
+        if "prologue" in s.fold:  # every tap transforms the input elements it reads again
+            w = s.main.inputs[1]  # type: ignore[union-attr]
+            taps = w.numel // max(w.shape[0] * w.shape[1], 1)  # type: ignore[union-attr]
+            total += s.fold["prologue"]["x"].numel * taps / _PROLOGUE_PER_US
     return total
 
 
@@ -100,7 +115,7 @@ class Plan:
         self.mode = mode
         self.variant = variant
         self._cons = consumers_of(graph)
-        self.steps, self.notes = partition(graph, "fallback" if variant == "unfused" else "fast")
+        self.steps, self.notes = partition(graph, VARIANTS[variant])
         n = len(self.steps)
         self._configs = list(configs) if configs is not None else [None] * n
         self._engines = list(engines) if engines is not None else [None] * n
@@ -118,6 +133,8 @@ class Plan:
         timed = []
         for variant in VARIANTS:
             plan = cls(graph, mode, variant)
+            if variant == "fused_prologue" and not any("prologue" in s.fold for s in plan.steps):
+                continue  # the same partition as "fused"
             plan._tune(feeds)
             timed.append((median_ms(lambda p=plan: p.execute(feeds), warmup_ms=5, rep_ms=25), plan))
         best = min(timed, key=lambda r: r[0])[1]
@@ -319,14 +336,13 @@ class Plan:
         return total
 
     def candidates(self) -> list[Candidate]:
-        """The ranked ways to run the graph (measured in benchmark mode, else estimated)."""
+        """The ranked ways to run the graph (measured in benchmark mode, else estimated);
+        "fused_prologue" only where it folds something ("fused" otherwise)."""
         rows = []
         for variant in VARIANTS:
-            steps = (
-                self.steps
-                if variant == self.variant
-                else partition(self.graph, "fallback" if variant == "unfused" else "fast")[0]
-            )
+            steps = self.steps if variant == self.variant else partition(self.graph, VARIANTS[variant])[0]
+            if variant == "fused_prologue" and not any("prologue" in s.fold for s in steps):
+                continue
             rows.append(
                 Candidate(
                     variant,

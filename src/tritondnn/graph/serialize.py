@@ -139,7 +139,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "version": {"const": VERSION},
         "graph": GRAPH_SCHEMA,
         "mode": {"enum": list(MODES)},
-        "variant": {"enum": ["fused", "unfused"]},
+        "variant": {"enum": ["fused", "unfused", "fused_prologue"]},
         "steps": {
             "type": "array",
             "items": {
@@ -540,7 +540,7 @@ def plan_from_json(text: str | bytes) -> Plan:
                 raise _fail(f"{where}.engine={engine!r}; a {kind} step accepts {names or 'none'}")
         configs.append(cfg)
         engines.append(engine)
-    steps, _ = partition(g, "fallback" if variant == "unfused" else "fast")
+    steps, _ = partition(g, VARIANTS[variant])
     got = [(s.kind, [n.name for n in s.nodes]) for s in steps]
     want = [(r["kind"], r["nodes"]) for r in records]
     if got != want:

@@ -8,7 +8,7 @@ import torch
 from graph_check import check_plan, feeds_for
 
 from helpers import assert_close, randn
-from tritondnn.graph import KERNEL_CACHE_STATS, Graph, Plan, reference
+from tritondnn.graph import KERNEL_CACHE_STATS, Graph, GraphError, Plan, reference
 from tritondnn.graph import runners as graph_runners
 
 
@@ -185,18 +185,48 @@ def test_scale_bias_relu_fold_in_benchmark_mode_and_serialized():
     check_plan(g, feeds_for(g), again)
 
 
+def test_scale_bias_relu_fold_reads_strided_parameters():
+    """A scale declared with strides (2, 1, 1) and a shift sliced out of a wider tensor reach the
+    kernel as (C,) contiguous values."""
+    g = Graph()
+    x = g.tensor((2, 4, 6, 6), name="x")
+    w = g.tensor((4, 4, 3, 3), name="w")
+    s = g.tensor((4, 1, 1), stride=(2, 1, 1), name="s")
+    wide = g.tensor((4, 2, 1), name="wide")
+    sh = g.slice(wide, 1, 0, 1, name="sh")
+    g.set_output(g.conv_fprop(g.relu(g.bias(g.scale(x, s), sh)), w, padding=1, name="conv"))
+    plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
+    assert "prologue" in next(s.fold for s in plan.steps if s.kind == "conv_fprop")
+
+
+def test_a_serialized_prologue_step_runs_on_the_implicit_gemm_only():
+    import json
+
+    g = Graph()
+    g.set_output(_scale_bias_relu_conv(g))
+    data = json.loads(Plan(g, "fast", "fused_prologue").serialize())
+    data["steps"][0]["engine"] = "boxed_gemm"
+    with pytest.raises(GraphError, match="implicit_gemm"):
+        Plan.deserialize(json.dumps(data))
+
+
 def test_scale_bias_relu_fold_under_autograd():
-    """Feeds that need gradients take the chain in torch, then conv2d: the same values, and the
-    gradient reaches x through the chain."""
+    """Feeds that need gradients take the chain in torch, then conv2d: the same values, and x's
+    gradient through the chain as the float64 reference's."""
     g = Graph()
     g.set_output(_scale_bias_relu_conv(g))
     feeds = feeds_for(g)
     x = feeds["x"].detach().requires_grad_(True)
     out = Plan(g, "fast", "fused_prologue").execute({**feeds, "x": x})["y"]
-    ref = reference(g, {**feeds, "x": x.detach()}, torch.float64)["y"]
-    assert_close(out.detach(), ref, reference(g, {**feeds, "x": x.detach()})["y"])
-    out.sum().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0
+    x64 = feeds["x"].detach().double().requires_grad_(True)
+    ref = reference(g, {**feeds, "x": x64}, torch.float64)["y"]
+    assert_close(out.detach(), ref.detach(), reference(g, {**feeds, "x": x.detach()})["y"])
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    ref.backward(dy.double())
+    x32 = feeds["x"].detach().requires_grad_(True)
+    reference(g, {**feeds, "x": x32})["y"].backward(dy)
+    assert_close(x.grad, x64.grad, x32.grad)
 
 
 def test_what_does_not_fold_into_a_convolution_input():

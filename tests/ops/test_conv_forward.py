@@ -567,11 +567,20 @@ PROLOGUE_CASES = [
 ]
 
 
+def _prologue_ref(x, scale, shift, relu):
+    """relu(x * scale + shift) per channel in float64 (parts left out where None / False)."""
+    shape = (1, -1, *([1] * (x.ndim - 2)))
+    t = x.double()
+    t = t * scale.double().view(shape) if scale is not None else t
+    t = t + shift.double().view(shape) if shift is not None else t
+    return torch.where(t < 0, 0.0, t) if relu else t  # (NaN passes, as torch.relu's)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("bits", [7, 2, 5])
+@pytest.mark.parametrize("parts", ["scale shift relu", "shift", "scale relu"])
 @pytest.mark.parametrize("case", PROLOGUE_CASES)
-def test_bound_forward_applies_the_prologue(case, bits, dtype):
-    """cuDNN's scale-bias-relu before a convolution (``prologue`` bits scale 1, shift 2, ReLU 4):
+def test_bound_forward_applies_the_prologue(case, parts, dtype):
+    """cuDNN's scale-bias-relu before a convolution (``prologue=(scale, shift, relu)``):
     conv(relu(x * scale + shift)) per input channel against float64, the transformed input's
     padding zero (the shift would make a transformed padding nonzero), with a bias and ReLU
     epilogue; fresh values through the bound plan."""
@@ -579,8 +588,13 @@ def test_bound_forward_applies_the_prologue(case, bits, dtype):
     x = layout(torch.randn(2, cin, 9, 8, device=DEVICE, dtype=dtype), lay)
     w = torch.randn(4, cin // groups, 3, 3, device=DEVICE, dtype=dtype)
     b = torch.randn(4, device=DEVICE, dtype=dtype)
+
+    def per_channel(name):
+        return torch.rand(cin, device=DEVICE, dtype=dtype) + 0.5 if name in parts else None
+
     epi = Epilogue(activation="relu")
-    run = conv.bound_forward(2, x, w, b, stride, padding, dilation, groups, epilogue=epi, prologue=bits)
+    prologue = (per_channel("scale"), per_channel("shift"), "relu" in parts)
+    run = conv.bound_forward(2, x, w, b, stride, padding, dilation, groups, epilogue=epi, prologue=prologue)
     pads = [v for p in reversed(pairs(padding, 2)) for v in p]
 
     def conv_of(t, w, b):
@@ -589,17 +603,49 @@ def test_bound_forward_applies_the_prologue(case, bits, dtype):
     assert run is not None
     for _ in range(2):
         x.copy_(torch.randn_like(x))
-        scale = torch.rand(cin, device=DEVICE, dtype=dtype) + 0.5 if bits & 1 else None
-        shift = torch.randn(cin, device=DEVICE, dtype=dtype) if bits & 2 else None
-        t = x.double()
-        t = t * scale.double().view(1, -1, 1, 1) if scale is not None else t
-        t = t + shift.double().view(1, -1, 1, 1) if shift is not None else t
-        t = t.clamp_min(0) if bits & 4 else t
+        scale, shift = per_channel("scale"), per_channel("shift")
+        if shift is not None:
+            shift -= 1.0  # both signs
+        t = _prologue_ref(x, scale, shift, "relu" in parts)
         got = run(x, w, b, None, None, scale, shift)
         assert_close(got, conv_of(t, w.double(), b.double()), conv_of(t.to(dtype), w, b))
+
+
+def test_prologue_parameters_of_other_dtypes_get_their_own_plan():
+    """A plan keeps the kernel compiled for its first call's dtypes: a scale of another dtype on
+    the same shapes binds another plan (under the interpreter, sharing one would raise)."""
+    x, w = torch.randn(2, 20, 6, 6, device=DEVICE), torch.randn(4, 20, 3, 3, device=DEVICE)
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        scale = torch.rand(20, device=DEVICE, dtype=dtype) + 0.5
+        run = conv.bound_forward(2, x, w, None, 1, 1, 1, 1, prologue=(scale, None, False))
+        want = F.conv2d(_prologue_ref(x, scale, None, False), w.double(), padding=1)
+        assert_close(
+            run(x, w, None, None, None, scale, None),
+            want,
+            F.conv2d(x * scale.float().view(1, -1, 1, 1), w, padding=1),
+        )
+
+
+def test_prologue_passes_nan_and_checks_its_parameters():
+    x, w = torch.randn(1, 4, 6, 6, device=DEVICE), torch.randn(4, 4, 3, 3, device=DEVICE)
+    shift = torch.zeros(4, device=DEVICE)
+    run = conv.bound_forward(2, x, w, None, 1, 1, 1, 1, prologue=(None, shift, True))
+    x[0, 1, 2, 3] = float("nan")
+    y = run(x, w, None, None, None, None, shift)
+    assert y.isnan().sum() == 9 * 4  # the 3x3 outputs that read the pixel, every channel
+    with pytest.raises(ValueError, match="contiguous"):
+        conv.bound_forward(
+            2, x, w, None, 1, 1, 1, 1, prologue=(torch.ones(8, device=DEVICE)[::2], None, False)
+        )
+    with pytest.raises(ValueError, match="one value per input channel"):
+        conv.bound_forward(2, x, w, None, 1, 1, 1, 1, prologue=(torch.ones(5, device=DEVICE), None, False))
+    with pytest.raises(TypeError, match="dtype"):
+        conv.bound_forward(
+            2, x, w, None, 1, 1, 1, 1, prologue=(torch.ones(4, dtype=torch.int32, device=DEVICE), None, False)
+        )
 
 
 def test_only_the_implicit_gemm_takes_a_prologue():
     x, w = torch.randn(1, 4, 6, 6, device=DEVICE), torch.randn(4, 4, 3, 3, device=DEVICE)
     with pytest.raises(tdnn.NotSupportedError, match="prologue"):
-        conv.bound_forward(2, x, w, None, 1, 1, 1, 1, algo="boxed_gemm", prologue=7)
+        conv.bound_forward(2, x, w, None, 1, 1, 1, 1, algo="boxed_gemm", prologue=(None, None, True))

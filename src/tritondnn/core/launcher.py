@@ -203,8 +203,10 @@ def launcher(
         if fast_launch is not None:
             # The C launcher gets the addresses, not the tensors: for a tensor it would call
             # data_ptr() again and ask the driver whether the address is a device pointer
-            # (cuPointerGetAttribute), once per tensor per launch. The first tensor's device was
-            # checked here; every op validates its tensors' devices (core.checks) before a launch.
+            # (cuPointerGetAttribute), once per tensor per launch. Only the first tensor's device
+            # is checked here: a tensor after it on the CPU or another GPU would fault instead of
+            # raising, so callers must have checked their tensors' devices (core.checks) before
+            # binding a launcher to them.
             ptrs = tuple(map(data_ptr, args[:num_tensors]))
             bits = 0
             for ptr in ptrs:

@@ -16,7 +16,6 @@ import torch
 
 from ..core.engine import engines
 from ..ops import attention, conv, matmul, norm, pool, reduce
-from ..ops.conv.problem import PROLOGUE_RELU, PROLOGUE_SCALE, PROLOGUE_SHIFT
 from ..ops.epilogue import Epilogue
 
 # The norm ops' custom ops, private to ops/norm: the public layer_norm / rms_norm / instance_norm
@@ -368,18 +367,15 @@ def _prologue_conv_runner(
     plan can be bound, the chain in torch (fp32 or fp64, rounded once) and then conv{nd}d."""
     pro = fold["prologue"]
     x, scale, shift = _env(pro["x"]), _env(pro["scale"]), _env(pro["shift"])
-    bits = (
-        (PROLOGUE_SCALE if scale is not None else 0)
-        | (PROLOGUE_SHIFT if shift is not None else 0)
-        | (PROLOGUE_RELU if pro["relu"] else 0)
-    )
     bound: dict[tuple, Callable[..., torch.Tensor] | None] = {}
 
     def get(env: list, i: int | None) -> Any:
         return None if i is None else env[i]
 
     def run(env: list, device: torch.device, presets: dict | None) -> None:
-        per_channel = [None if i is None else env[i].reshape(-1) for i in (scale, shift)]
+        # (C,) and contiguous: the kernel reads scale[c] at the c-th element (a strided feed or
+        # view is copied).
+        per_channel = [None if i is None else env[i].reshape(-1).contiguous() for i in (scale, shift)]
         b = None if bias is None else env[bias].reshape(-1)
         tensors = (env[x], env[w], b, get(env, c), get(env, res), *per_channel)
         options = {"epilogue": epi, "c": tensors[3], "residual": tensors[4]}
@@ -387,7 +383,8 @@ def _prologue_conv_runner(
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
             key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
             if key not in bound:
-                bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options, prologue=bits)
+                prologue = (*per_channel, pro["relu"])
+                bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options, prologue=prologue)
             program = bound[key]
         if program is not None:
             env[final] = program(*tensors)

@@ -545,4 +545,9 @@ def plan_from_json(text: str | bytes) -> Plan:
     want = [(r["kind"], r["nodes"]) for r in records]
     if got != want:
         raise _fail(f"the recorded steps {want} do not match the graph's partition {got}")
+    for i, (step, engine) in enumerate(zip(steps, engines)):
+        if "prologue" in step.fold and engine not in (None, "implicit_gemm"):
+            raise _fail(
+                f"steps[{i}].engine={engine!r}; a convolution with a prologue runs on 'implicit_gemm' only"
+            )
     return Plan(g, mode, variant, configs, engines)

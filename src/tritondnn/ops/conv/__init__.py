@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ...core.autocast import LOWER, autocast_policy
+from ...core.checks import check_tensor
 from ..epilogue import Epilogue
 from . import boxed as _boxed  # noqa: F401  (registers its engines)
 from . import depthwise as _depthwise  # noqa: F401
@@ -68,6 +69,9 @@ from .engines import DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
 from .plans import _dgrad_op, _forward_op, _wgrad_op, forward_plan, make_problem
 from .problem import (
     DTYPES,
+    PROLOGUE_RELU,
+    PROLOGUE_SCALE,
+    PROLOGUE_SHIFT,
     ConvProblem,
     channels_last,
     empty_conv_tensor,
@@ -121,7 +125,7 @@ def _parse(op, nd, input, weight, bias, stride, padding, dilation, groups):
 
 def _conv(
     op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, bind=False,
-    prologue=0,
+    prologue=None,
 ):  # fmt: skip
     given = (input, bias, c, residual)
     key = None
@@ -160,11 +164,13 @@ def _conv(
             or any(a is not b for a, b in zip((x, bias, c, residual), given))
         ):
             return None  # the checks reshaped or copied a tensor: calls would need them again
+        bits, per_channel = _check_prologue(op, prologue, x)
         run = forward_plan(
-            x, weight, bias, c, residual, *geometry, epi.activation_kind, False, out_dtype, algo, prologue
-        )
+            x, weight, bias, c, residual, *geometry, epi.activation_kind, False, out_dtype, algo, bits,
+            tuple(None if t is None else t.dtype for t in per_channel),
+        )  # fmt: skip
         scalars = (epi.alpha, epi.beta, p0, p1)
-        if prologue:
+        if bits:
             return lambda x, w, bias, c, residual, scale, shift: run(
                 x, w, bias, c, residual, *scalars, scale, shift
             )[0]
@@ -187,6 +193,30 @@ def _conv(
     return (y, pre) if epi.store_preactivation else y
 
 
+def _check_prologue(op: str, prologue: Any, x: torch.Tensor) -> tuple[int, tuple]:
+    """(``PROLOGUE_*`` bits, (scale, shift)) of ``bound_forward``'s ``prologue`` argument: None,
+    or (scale, shift, relu) with scale and shift None or (C_in,) contiguous float tensors on x's
+    device."""
+    if prologue is None:
+        return 0, (None, None)
+    scale, shift, relu = prologue
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t is None:
+            continue
+        check_tensor(op, f"prologue {name}", t, min_ndim=1, max_ndim=1)
+        if t.shape[0] != x.shape[1] or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(
+                f"{op}: the prologue's {name} must be a contiguous ({x.shape[1]},) tensor on {x.device} "
+                f"(one value per input channel), got {tuple(t.shape)} with strides {t.stride()} on {t.device}"
+            )
+    bits = (
+        (PROLOGUE_SCALE if scale is not None else 0)
+        | (PROLOGUE_SHIFT if shift is not None else 0)
+        | (PROLOGUE_RELU if relu else 0)
+    )
+    return bits, (scale, shift)
+
+
 def bound_forward(
     nd: int,
     input: torch.Tensor,
@@ -201,7 +231,7 @@ def bound_forward(
     epilogue: Epilogue | None = None,
     c: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    prologue: int = 0,
+    prologue: tuple[torch.Tensor | None, torch.Tensor | None, bool] | None = None,
 ):
     """``run(input, weight, bias, c, residual) -> y``: the forward of ``conv{nd}d`` with these
     arguments, checked once here, then run straight on its plan for tensors of the same shapes,
@@ -209,12 +239,13 @@ def bound_forward(
     a plan cannot be bound: unbatched input, a stored pre-activation, or a tensor that the checks
     reshape or copy. Raises what ``conv{nd}d`` raises for bad arguments.
 
-    ``prologue``: bits of ``problem.PROLOGUE_SCALE``, ``PROLOGUE_SHIFT``, ``PROLOGUE_RELU``: the
-    convolution reads ``relu(input * scale + shift)`` (per input channel, each part where its bit
-    is set; cuDNN's scale-bias-relu before a convolution, e.g. batch norm's apply folded into the
-    next convolution), and ``run`` takes ``scale, shift`` last: (C_in,) contiguous tensors on the
-    input's device, None where their bit is clear (not checked per call). Only the implicit GEMM
-    applies a prologue."""
+    ``prologue``: (scale, shift, relu): the convolution reads ``relu(input * scale + shift)`` per
+    input channel (scale or shift None: left out; relu False: no ReLU; cuDNN's scale-bias-relu
+    before a convolution, e.g. batch norm's apply folded into the next convolution), computed in
+    fp32 (fp64 for fp64) as the implicit GEMM reads the input, rounded once; the padding stays
+    zero. scale and shift: (C_in,) contiguous float tensors on the input's device, checked here;
+    ``run`` then takes ``scale, shift`` last, of the same dtypes, shapes and device (not checked
+    per call). Only the implicit GEMM applies a prologue."""
     op = f"tdnn.conv{nd}d"
     return _conv(
         op, nd, input, weight, bias, stride, padding, dilation, groups, algo, epilogue, c, residual, True,

@@ -63,7 +63,7 @@ def _prologue(a, ok, scale_ptr, shift_ptr, channel, channel_ok, ACC: tl.constexp
     if PROLOGUE & 2:
         v = v + tl.load(shift_ptr + channel, mask=channel_ok, other=0.0).to(ACC)[None, :]
     if PROLOGUE & 4:
-        v = tl.maximum(v, 0.0)
+        v = tl.where(v < 0.0, 0.0, v)  # NaN passes, as torch.relu's (tl.maximum would drop it)
     return tl.where(ok, v, 0.0).to(a.dtype)
 
 

@@ -154,11 +154,12 @@ def forward_plan(
     out_dtype,
     algo,
     prologue=0,
+    prologue_dtypes=(None, None),
 ):
     """``run(x, w, bias, c, residual, alpha, beta, p0, p1) -> (y, pre or None)`` for these shapes.
     With ``prologue`` bits (``problem.PROLOGUE_*``): ``run(..., p1, scale, shift)``, x transformed
-    per input channel as the implicit GEMM reads it (scale, shift: (C_in,) contiguous, or None
-    where their bit is clear); other engines apply none."""
+    per input channel as the implicit GEMM reads it (scale, shift: (C_in,) contiguous of
+    ``prologue_dtypes``, or None where their bit is clear); other engines apply none."""
     if prologue and algo not in (None, ImplicitGemmEngine.name):
         why = ["applies no input prologue (scale, shift, ReLU); only 'implicit_gemm' does"]
         raise NotSupportedError(
@@ -182,6 +183,7 @@ def forward_plan(
         out_dtype,
         algo,
         prologue,
+        prologue_dtypes,  # the launcher keeps the kernel compiled for the first call's dtypes
     )
     run = _plans.get(key)
     if run is None:

@@ -140,6 +140,11 @@ class ConvProblem(Problem):
     deterministic: bool = False
     prologue: int = 0
 
+    def key(self) -> str:
+        """``Problem.key`` without ``prologue=0``: the autotune cache's keys from before the field."""
+        text = super().key()
+        return text.replace(",prologue=0)", ")") if not self.prologue else text
+
     @property
     def taps(self) -> int:
         return math.prod(self.kernel)

@@ -230,8 +230,9 @@ def test_scale_bias_relu_fold_under_autograd():
 
 
 def test_what_does_not_fold_into_a_convolution_input():
-    """The chain stops at a tensor read twice or an output, at a leaky ReLU, at a full-shape
-    operand, and at links out of order (a scale after the ReLU folds alone)."""
+    """The chain stops at a tensor read twice or a graph output (the ReLU after it folds alone),
+    at a leaky ReLU, at a full-shape operand, and at links out of order (a scale after the ReLU
+    folds alone)."""
     g = Graph()
     x = g.tensor((2, 4, 6, 6), name="x")
     w = g.tensor((4, 4, 3, 3), name="w")
@@ -243,11 +244,13 @@ def test_what_does_not_fold_into_a_convolution_input():
     g.set_output(g.conv_fprop(g.leaky_relu(x, 0.1, name="leaky"), w, name="c3"))
     g.set_output(g.conv_fprop(g.add(x, full, name="plus"), w, name="c4"))
     g.set_output(g.conv_fprop(g.scale(g.relu(x, name="r5"), s, name="s5"), w, name="c5"))
+    shown = g.set_output(g.bias(x, s, name="b6"))  # a graph output
+    g.set_output(g.conv_fprop(g.relu(shown, name="r6"), w, name="c6"))
     plan, _ = check_plan(g, feeds_for(g), Plan(g, "fast", "fused_prologue"))
     kinds = _kinds(plan)
     for name in ("c1", "c2", "c3", "c4"):
         assert ("conv_fprop", [name]) in kinds
-    assert ("conv_fprop", ["s5", "c5"]) in kinds
+    assert ("conv_fprop", ["s5", "c5"]) in kinds and ("conv_fprop", ["r6", "c6"]) in kinds
     assert any(kind == "pointwise" and "r5" in names for kind, names in kinds)
 
 

@@ -645,6 +645,22 @@ def test_prologue_passes_nan_and_checks_its_parameters():
         )
 
 
+def test_problem_keys_name_a_prologue_only_where_there_is_one():
+    """The autotune cache's keys of problems without a prologue are those from before the field."""
+    from dataclasses import replace
+
+    from tritondnn.ops.conv.plans import make_problem
+
+    x, w, y = (
+        ((2, 4, 6, 6), (1, 4, 36, 6, 1)),
+        ((4, 4, 3, 3), (36, 9, 3, 1, 1)),
+        ((2, 4, 6, 6), (1, 4, 36, 6, 1)),
+    )
+    p = make_problem("fwd", x, w, y, (1, 1), (1, 1), (1, 1), 1, torch.float32, torch.float32)
+    assert "prologue" not in p.key() and p.key().endswith("deterministic=False)")
+    assert replace(p, prologue=7).key().endswith("prologue=7)")
+
+
 def test_only_the_implicit_gemm_takes_a_prologue():
     x, w = torch.randn(1, 4, 6, 6, device=DEVICE), torch.randn(4, 4, 3, 3, device=DEVICE)
     with pytest.raises(tdnn.NotSupportedError, match="prologue"):

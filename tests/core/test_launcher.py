@@ -29,7 +29,9 @@ def test_copies_with_its_dtypes():
 def test_each_call_reads_its_own_tensors():
     """After a launcher's first (compiling) call, calls on 16-byte-aligned tensors go straight to
     the C launcher with the tensors' addresses: each call must still read and write the tensors
-    it is given (new addresses, a view 12 bytes off that takes Triton's runner, aligned again)."""
+    it is given (new addresses, a view 12 bytes off that takes Triton's runner, aligned again).
+    The direct path exists on a GPU only; under the interpreter this checks the launcher's
+    results alone."""
     run = launcher(_copy_kernel, (1,), 2, (5,), (8,))
     base = torch.randn(64, device=DEVICE)
     for offset in (0, 16, 3, 32, 0):

@@ -110,8 +110,13 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
             return run
         nd = len(node.inputs[0].shape) - 2  # type: ignore[union-attr]
         geo = (a["stride"], a["padding"], a["dilation"], a["groups"])
-        if "prologue" in fold:
-            return _prologue_conv_runner(fold, nd, geo, w, bias, c, res, epi, final)
+        # A prologue (partition._fold_prologue): the convolution reads the chain's input x and
+        # applies its per-channel scale and shift ((C,) and contiguous, as the kernel reads them:
+        # a strided feed or view is copied) and ReLU.
+        pro = fold.get("prologue")
+        if pro is not None:
+            x = _env(pro["x"])
+        per_channel_ids = () if pro is None else (_env(pro["scale"]), _env(pro["shift"]))
         # The convolution's plan bound once per tensor signature: a plan executes many times on
         # the same shapes, and conv{nd}d's checks and dispatch cost more host time than a 3x3
         # 64 @56 kernel takes (118-159 us an execute on slower hosts for ~70 us of kernel).
@@ -119,18 +124,23 @@ def library_runner(step: Step, algo: str | None = None) -> Run:
 
         def run(env: list, device: torch.device, presets: dict | None) -> None:
             b = None if bias is None else env[bias].reshape(-1)
-            tensors = (env[x], env[w], b, get(env, c), get(env, res))
+            per_channel = [None if i is None else env[i].reshape(-1).contiguous() for i in per_channel_ids]
+            tensors = (env[x], env[w], b, get(env, c), get(env, res), *per_channel)
             options = {"algo": algo, "epilogue": epi, "c": tensors[3], "residual": tensors[4]}
             program = None
             if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
                 key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
                 if key not in bound:
-                    bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options)
+                    prologue = None if pro is None else (*per_channel, pro["relu"])
+                    bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options, prologue=prologue)
                 program = bound[key]
-            if program is None:  # autograd, or arguments the checks adapt per call
-                env[final] = _CONV[nd](*tensors[:3], *geo, **options)
-            else:
+            if program is not None:
                 env[final] = program(*tensors)
+                return
+            # Autograd, or arguments the checks adapt per call: conv{nd}d, after the prologue in
+            # torch where there is one.
+            xin = tensors[0] if pro is None else _torch_prologue(tensors[0], *per_channel, pro["relu"])
+            env[final] = _CONV[nd](xin, *tensors[1:3], *geo, **options)
 
         return run
     if op == "conv_dgrad":
@@ -359,48 +369,16 @@ def _simple(fn: Callable[[list], Any], outs: list[int]) -> Run:
     return run_many
 
 
-def _prologue_conv_runner(
-    fold: dict, nd: int, geo: tuple, w: int, bias, c, res, epi: Epilogue, final: int
-) -> Run:
-    """A forward convolution whose input is ``relu(x * scale + shift)`` per channel, computed as
-    the implicit GEMM reads x (``conv.bound_forward``'s prologue); under autograd, or where no
-    plan can be bound, the chain in torch (fp32 or fp64, rounded once) and then conv{nd}d."""
-    pro = fold["prologue"]
-    x, scale, shift = _env(pro["x"]), _env(pro["scale"]), _env(pro["shift"])
-    bound: dict[tuple, Callable[..., torch.Tensor] | None] = {}
-
-    def get(env: list, i: int | None) -> Any:
-        return None if i is None else env[i]
-
-    def run(env: list, device: torch.device, presets: dict | None) -> None:
-        # (C,) and contiguous: the kernel reads scale[c] at the c-th element (a strided feed or
-        # view is copied).
-        per_channel = [None if i is None else env[i].reshape(-1).contiguous() for i in (scale, shift)]
-        b = None if bias is None else env[bias].reshape(-1)
-        tensors = (env[x], env[w], b, get(env, c), get(env, res), *per_channel)
-        options = {"epilogue": epi, "c": tensors[3], "residual": tensors[4]}
-        program = None
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-            key = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-            if key not in bound:
-                prologue = (*per_channel, pro["relu"])
-                bound[key] = conv.bound_forward(nd, *tensors[:3], *geo, **options, prologue=prologue)
-            program = bound[key]
-        if program is not None:
-            env[final] = program(*tensors)
-            return
-        xt = tensors[0]
-        v = xt.to(torch.float64 if xt.dtype == torch.float64 else torch.float32)
-        shape = (1, -1, *([1] * nd))
-        if per_channel[0] is not None:
-            v = v * per_channel[0].view(shape)
-        if per_channel[1] is not None:
-            v = v + per_channel[1].view(shape)
-        if pro["relu"]:
-            v = torch.relu(v)
-        env[final] = _CONV[nd](v.to(xt.dtype), *tensors[1:3], *geo, **options)
-
-    return run
+def _torch_prologue(x: torch.Tensor, scale, shift, relu: bool) -> torch.Tensor:
+    """``relu(x * scale + shift)`` per channel in torch (fp32, fp64 for fp64), rounded once to x's
+    dtype: what the implicit GEMM's prologue computes, differentiable."""
+    v = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    shape = (1, -1, *([1] * (x.ndim - 2)))
+    if scale is not None:
+        v = v * scale.view(shape)
+    if shift is not None:
+        v = v + shift.view(shape)
+    return (torch.relu(v) if relu else v).to(x.dtype)
 
 
 def conv_engines(step: Step, env: list) -> list[str]:

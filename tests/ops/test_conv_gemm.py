@@ -13,6 +13,7 @@ import tritondnn as tdnn
 from helpers import DEVICE, assert_close
 from tritondnn.ops import conv
 from tritondnn.ops.conv import conv_backward_reference, conv_reference
+from tritondnn.ops.conv.problem import strides5
 from tritondnn.ops.epilogue import Epilogue
 
 FNS = {1: conv.conv1d, 2: conv.conv2d, 3: conv.conv3d}
@@ -115,3 +116,53 @@ def test_not_supported_reasons():
     # With the activation's gradient fused in (autograd's path), the zeros would not get it.
     fused = dataclasses.replace(strided, activation=0, store_pre=True)
     assert any("no fused epilogue" in r for r in engine.not_supported_reasons(fused))
+
+
+# The weight gradient over an explicit column matrix (``im2col_gemm``): (x shape, cout, kernel,
+# stride, padding, dilation), each rank, taps that fall in the padding, strides, dilation,
+# asymmetric padding, a wide and a narrow product.
+COLUMN_CASES = [
+    ((2, 16, 7, 7), 24, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1)),
+    ((2, 12, 9, 8), 8, (3, 2), (2, 1), ((1, 0), (0, 1)), (1, 2)),
+    ((3, 40, 5, 6), 48, (1, 3), (1, 1), ((0, 0), (2, 2)), (1, 1)),
+    ((2, 8, 11), 20, (5,), (2,), ((2, 2),), (1,)),
+    ((1, 6, 4, 5, 4), 10, (3, 3, 3), (1, 1, 1), ((1, 1),) * 3, (1, 1, 1)),
+]
+COLUMNS = "im2col_gemm"
+
+
+@pytest.mark.parametrize("case", COLUMN_CASES, ids=lambda c: f"{len(c[0]) - 2}d-{c[0]}-k{c[2]}-s{c[3]}")
+def test_im2col_wgrad(case, poison):
+    shape, cout, kernel, stride, pads, dilation = case
+    x = channels_last(torch.randn(shape, device=DEVICE))
+    w = torch.randn(cout, shape[1], *kernel, device=DEVICE)
+    dy = channels_last(
+        torch.randn(conv_reference(x, w, None, stride, pads, dilation, 1).shape, device=DEVICE)
+    )
+    _, rw = conv_backward_reference(x, w, dy, stride, pads, dilation, 1)
+    dw = conv.conv_backward_weight(x, dy, w.shape, stride, pads, dilation, 1, algo=COLUMNS)
+    assert_close(dw, rw, what="im2col wgrad")
+    assert dw.stride(1) == 1  # channels-last like x: columns ordered (tap, channel)
+    # A contiguous dw (taps innermost) orders the columns (channel, tap).
+    problem = conv.describe_wgrad(x, dy, w.shape, stride, pads, dilation, 1)
+    dense = torch.empty(w.shape, device=DEVICE)
+    problem = dataclasses.replace(problem, w_strides=strides5(dense))
+    engine = conv.gemm.Im2colGemmWgradEngine()
+    assert not engine.not_supported_reasons(problem)
+    engine.bind(problem, engine.configs(problem)[0])(x, dy, dense)
+    assert_close(dense, rw, what="im2col wgrad into a contiguous dw")
+
+
+def test_im2col_wgrad_reasons():
+    x = channels_last(torch.randn(2, 8, 5, 5, device=DEVICE))
+    dy = channels_last(torch.randn(2, 8, 5, 5, device=DEVICE))
+    for args, why in [
+        ((x.contiguous(), dy), "channels-last activations"),
+        ((x, dy.contiguous()), "output gradient is not dense"),
+    ]:
+        with pytest.raises(tdnn.NotSupportedError, match=why):
+            conv.conv_backward_weight(*args, (8, 8, 3, 3), 1, 1, algo=COLUMNS)
+    with pytest.raises(tdnn.NotSupportedError, match="one group"):
+        conv.conv_backward_weight(x, dy, (8, 4, 3, 3), 1, 1, 1, 2, algo=COLUMNS)
+    huge = dataclasses.replace(conv.describe_wgrad(x, dy, (8, 8, 3, 3), 1, 1), n=1 << 20)
+    assert any("GiB" in r for r in conv.gemm.Im2colGemmWgradEngine().not_supported_reasons(huge))

@@ -9,7 +9,11 @@ matrix with dense rows, and each direction is a single GEMM:
 * weight gradient: ``dW[Cout, Cin] = dy^T @ x``, a reduction over every pixel.
 
 A stride-s forward or weight gradient reads every s-th pixel: those rows are copied into a dense
-matrix first (the only extra traffic, 1/s^2 of x). The matrix products then take what the matmul
+matrix first (the only extra traffic, 1/s^2 of x). The weight gradient of any other (one-group,
+channels-last) convolution is the same product over an explicit column matrix, each pixel's taps
+side by side (``Im2colGemmWgradEngine``): ``dW[Cout, taps * Cin] = dy^T @ cols``, worth its copy
+where the layer is small and deep (3x3 512 @7: taps over a 7x7 grid are mostly borders, which the
+engines that address taps pay for in every tile). The matrix products then take what the matmul
 family would choose for them: the persistent TMA kernel on Hopper, the skinny kernel for narrow
 outputs, split-K (deterministic: partial sums added in a fixed order) for the weight gradient's
 long reduction. The other convolution engines address each pixel's taps; here there are none.
@@ -28,7 +32,7 @@ import triton.language as tl
 from ...core.engine import Choice, Engine, LaunchConfig
 from ...core.launcher import cdiv, launcher
 from ..matmul import engines as mm
-from .engines import _BANDWIDTH, DGRAD_FAMILY, FAMILY, WGRAD_FAMILY
+from .engines import _BANDWIDTH, DGRAD_FAMILY, FAMILY, WGRAD_FAMILY, wgrad_out_steps
 from .problem import ConvProblem, Strides5, Triple, itemsize
 
 
@@ -75,8 +79,9 @@ def _matmul(p: ConvProblem) -> tuple[mm.Layout, Choice]:
     """The matrix product of ``p`` and the matmul family's choice for it (its heuristic)."""
     pixels = p.out_pixels
     ws = p.w_strides
-    if p.direction == "wgrad":  # dW[Cout, Cin] = dy^T @ x
-        m, n, k, a_strides, b_strides = p.cout, p.cin, pixels, (1, p.cout), (p.cin, 1)
+    if p.direction == "wgrad":  # dW[Cout, Cin * taps] = dy^T @ x (its columns, with taps)
+        ncols = p.cin * p.taps
+        m, n, k, a_strides, b_strides = p.cout, ncols, pixels, (1, p.cout), (ncols, 1)
     elif p.direction == "dgrad":  # dx[P, Cin] = dy[P, Cout] @ W[Cout, Cin]
         m, n, k, a_strides, b_strides = pixels, p.cin, p.cout, (p.cout, 1), (ws[0], ws[1])
     else:  # y[P, Cout] = x[P, Cin] @ W[Cout, Cin]^T
@@ -244,6 +249,119 @@ class GemmWgradEngine(_GemmEngine):
 
         def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
             a, b = dy, (x if rows is None else rows(x))  # dy^T and x as in ``_bind``
+            if lay.swapped:
+                a, b = b, a
+            launch(a, b, dw, dw, dw, dw, dw, dw, dw, dw, 1.0, 0.0, 0.0, 0.0)
+
+        return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Any weight gradient as one GEMM over an explicit column matrix.
+
+
+@triton.jit
+def _columns_kernel(
+    x_ptr, cols_ptr,
+    pixels, C, OD, OH, OW, ID, IH, IW, s_n, s_d, s_h, s_w, s_c,
+    KH, KW, st_d, st_h, st_w, off_d, off_h, off_w, dl_d, dl_h, dl_w, row, col_c, col_t,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """cols[o, c * col_c + t * col_t] (rows ``row`` apart) = x at output pixel o's tap t, input
+    channel c, zero where the tap falls in the padding. Grid: (pixel blocks, taps)."""
+    t = tl.program_id(1)
+    pix = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ow = pix % OW
+    oh = (pix // OW) % OH
+    od = (pix // (OW * OH)) % OD
+    n = pix // (OW * OH * OD)
+    kw = t % KW
+    kh = (t // KW) % KH
+    kd = t // (KW * KH)
+    iw = ow * st_w + off_w + kw * dl_w
+    ih = oh * st_h + off_h + kh * dl_h
+    i_d = od * st_d + off_d + kd * dl_d
+    rows = pix < pixels
+    inside = rows & (iw >= 0) & (iw < IW) & (ih >= 0) & (ih < IH) & (i_d >= 0) & (i_d < ID)
+    src = n * s_n + i_d * s_d + ih * s_h + iw * s_w
+    dst = pix * row + t * col_t
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        ok = (c < C)[None, :]
+        v = tl.load(x_ptr + src[:, None] + c[None, :] * s_c, mask=inside[:, None] & ok, other=0.0)
+        tl.store(cols_ptr + dst[:, None] + c[None, :] * col_c, v, mask=rows[:, None] & ok)
+
+
+_COLUMNS_LIMIT = 1 << 30  # bytes: past this the copy dwarfs any product it could make faster
+
+
+def _columns_reasons(p: ConvProblem) -> list[str]:
+    reasons = []
+    if p.groups != 1:
+        reasons.append(f"needs one group (got {p.groups})")
+    if not p.channels_last:
+        reasons.append("needs channels-last activations")
+    if not _dense(p.y_strides, p.cout, p.n, p.out_size):
+        reasons.append("the output gradient is not dense channels-last")
+    ncols = p.cin * p.taps
+    try:
+        _, s_co, s_c, s_t = wgrad_out_steps(p)
+    except ValueError as err:
+        reasons.append(str(err))
+    else:
+        if s_co != ncols or (s_c, s_t) not in ((1, p.cin), (p.taps, 1)):
+            reasons.append(f"the weight gradient is not dense (strides {p.w_strides[: p.nd + 2]})")
+    nbytes = p.out_pixels * ncols * itemsize(p.dtype)
+    if nbytes > _COLUMNS_LIMIT:
+        reasons.append(f"its column matrix would take {nbytes / 2**30:.1f} GiB (at most 1)")
+    return reasons
+
+
+def _columns_cost(p: ConvProblem) -> float:
+    """Writing the columns (each x pixel read once per tap, mostly from L2) and the product."""
+    cols = p.out_pixels * p.cin * p.taps * itemsize(p.dtype)
+    x_bytes = p.n * math.prod(p.in_size) * p.cin * itemsize(p.dtype)
+    lay, choice = _matmul(p)
+    return (cols + x_bytes) / (_BANDWIDTH * 1e6 * 0.7) + 4.0 + choice.engine.cost(lay.problem)
+
+
+@WGRAD_FAMILY.register
+class Im2colGemmWgradEngine(Engine[ConvProblem]):
+    """The weight gradient of a one-group channels-last convolution (any kernel, stride, padding,
+    dilation) as one GEMM, dy^T times an explicit column matrix of x's taps (written by one copy
+    kernel, zeros for the padding), on the matmul family's engines."""
+
+    name = "im2col_gemm"
+
+    def not_supported_reasons(self, problem: ConvProblem) -> list[str]:
+        return _columns_reasons(problem)
+
+    def cost(self, problem: ConvProblem) -> float:
+        return _columns_cost(problem)
+
+    def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
+        return [{}]  # the matmul family picks its own engine and configuration
+
+    def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
+        p = problem
+        lay, choice = _matmul(p)
+        launch = choice.engine.bind(lay.problem, choice.config)
+        ncols = p.cin * p.taps
+        _, _, col_c, col_t = wgrad_out_steps(p)
+        block_p, block_c = 64, min(128, triton.next_power_of_2(p.cin))
+        ints = (
+            p.out_pixels, p.cin, *p.out_size, *p.in_size, p.x_strides[0], *p.x_strides[2:], p.x_strides[1],
+            *p.kernel[1:], *p.stride, *(-q for q in p.pad), *p.dilation, ncols, col_c, col_t,
+        )  # fmt: skip
+        columns = launcher(
+            _columns_kernel, (cdiv(p.out_pixels, block_p), p.taps), 2, ints, (block_p, block_c)
+        )
+        dtype = getattr(torch, p.dtype)
+
+        def run(x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor) -> None:
+            cols = torch.empty((p.out_pixels, ncols), dtype=dtype, device=x.device)
+            columns(x, cols)
+            a, b = dy, cols  # dy^T and the columns as in ``_matmul``
             if lay.swapped:
                 a, b = b, a
             launch(a, b, dw, dw, dw, dw, dw, dw, dw, dw, 1.0, 0.0, 0.0, 0.0)

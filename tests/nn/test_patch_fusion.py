@@ -274,6 +274,85 @@ def test_conv_batch_norm_under_autocast(node_calls, monkeypatch):
     assert len(node_calls) == 2 * 2  # steps 2 and 3, two pairs each (the first call primes)
 
 
+class Twice(nn.Module):
+    """A block run twice in one forward (its conv + batch norm pairs too); ``between``, where
+    set, is called between the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(8)
+        self.between = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        if self.between is not None:
+            self.between()
+        return self.block(y)
+
+
+def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatch):
+    """A fused model's forward is one step (``conv_bn._Step``): from the second forward on its
+    convolutions' weights are cast by one multi-tensor copy, and the batch norms' counters are
+    added by one multi-tensor add as it returns, one each where a pair runs twice. A weight
+    replaced within a forward (after the copy) or changed in place between forwards is what the
+    next call uses; a forward that raises leaves no step open; unpatch removes the hooks."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    device = DEVICE.split(":")[0]
+    torch.manual_seed(0)
+    model = Twice().to(DEVICE).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours, fuse=True)
+    copies, adds = [], []
+    real_copy, real_add = torch._foreach_copy_, torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: copies.append(len(d)) or real_copy(d, s))
+    monkeypatch.setattr(torch, "_foreach_add_", lambda t, v: adds.append(len(t)) or real_add(t, v))
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=low):
+            return m(x)
+
+    x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
+    for step in range(4):
+        for m in (ours, model):  # step 2: a new weight object between the block's two calls
+            conv = m.block.conv2
+            m.between = (
+                (lambda c=conv: setattr(c, "weight", nn.Parameter(c.weight.detach() * 0.5)))
+                if step == 2
+                else None
+            )
+        if step == 3:
+            with torch.no_grad():
+                for m in (ours, model):
+                    m.block.conv1.weight.data.mul_(-1)
+        got, want = forward(ours, x), forward(model, x)
+        assert_close(got, want, what=f"step {step}")
+    # Forward 1's first block call primes the programs, its second learns the plan; 2-4 cast in
+    # one copy each (3's second block call casts conv2's new weight alone: the copy had the old).
+    assert copies == [2, 2, 2] and conv_bn._local.step is None
+    assert len(node_calls) == 2 + 3 * 4
+    counters = [int(m.num_batches_tracked) for m in (ours.block.bn1, ours.block.bn2)]
+    assert counters == [8, 8] == [int(m.num_batches_tracked) for m in (model.block.bn1, model.block.bn2)]
+    assert adds == [2]  # forward 1's fused call; then each counter twice a step: an add_ each
+    for a, b in zip(ours.buffers(), model.buffers()):  # statistics of low-precision activations
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+    with pytest.raises(RuntimeError):
+        forward(ours, randn(2, 5, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last))
+    assert conv_bn._local.step is None
+    assert tnn.unpatch(ours) > 0
+    assert not ours._forward_pre_hooks and not ours._forward_hooks and "_tdnn_cast_plan" not in vars(ours)
+
+
+def test_fused_step_counts_with_one_add(node_calls, monkeypatch):
+    """Each pair once a forward: the counters are added by one multi-tensor add."""
+    adds = []
+    real_add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda t, v: adds.append(len(t)) or real_add(t, v))
+    model, ours, _ = _pair(lambda: Block(4))
+    _compare_steps(model, ours, randn(2, 4, 6, 5), "counted by the step")
+    assert adds == [2, 2]  # the first step primes (unfused, counted by the modules)
+
+
 def test_sequential_conv_batch_norm_relu(node_calls):
     """Patched (fuse or not) Sequential: Conv2d + BatchNorm2d + ReLU and Conv2d + BatchNorm2d run
     as fused nodes; a conv with a bias runs unfused, right."""

@@ -203,15 +203,19 @@ class _BatchNormMixin:
             running_mean = running_var = None
         return running_mean, running_var, weight, bias, batch_stats
 
-    def _batch_norm_args(self, input: torch.Tensor) -> tuple:
-        """F.batch_norm's arguments for this call; counts the batch (num_batches_tracked)."""
+    def _batch_norm_args(self, input: torch.Tensor, counts: list[torch.Tensor] | None = None) -> tuple:
+        """F.batch_norm's arguments for this call; counts the batch (num_batches_tracked), or
+        with a fixed momentum appends the counter to ``counts`` for the caller to add one later."""
         self._check_input_dim(input)
         rm, rv, weight, bias, batch_stats = _BatchNormMixin._statistics(self)
         batches = _bn_state(self)[4]
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and batches is not None:
-            batches.add_(1)
-            factor = 1.0 / float(batches) if self.momentum is None else self.momentum
+            if counts is not None and self.momentum is not None:
+                counts.append(batches)
+            else:
+                batches.add_(1)
+                factor = 1.0 / float(batches) if self.momentum is None else self.momentum
         return (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from . import attention, containers, fusion, layers, rnn, sync_batchnorm
+from . import attention, containers, conv_bn, fusion, layers, rnn, sync_batchnorm
 
 # torch.nn class -> tritondnn class, filled from the modules that subclass exactly one of torch's.
 SUPPORTED: dict[type[nn.Module], type[nn.Module]] = {}
@@ -140,19 +140,26 @@ def patch(
         fused, skipped = fusion.fuse_norms(model, lambda name, m: not _matches(name, m, exclude))
         report.fused += fused
         report.skipped += skipped
+        if not getattr(model, "_tdnn_step_hooks", None):  # see conv_bn's _Step
+            model._tdnn_step_hooks = (
+                model.register_forward_pre_hook(conv_bn.enter_step),
+                model.register_forward_hook(conv_bn.exit_step, always_call=True),
+            )
     return report
 
 
 def unpatch(model: nn.Module) -> int:
     """Give every tritondnn module in ``model`` its torch.nn class back, every fused module its
-    class's forward, and stop routing sdpa; returns how many modules changed."""
+    class's forward, and stop routing sdpa (and opening fused steps); returns how many modules
+    changed."""
     count = fusion.unfuse(model)
     for module in model.modules():
         original = _ORIGINAL.get(type(module))
         if original is not None:
             module.__class__ = original
             count += 1
-    hooks = model.__dict__.pop("_tdnn_sdpa_hooks", None)
-    for handle in hooks or ():
-        handle.remove()
+    for name in ("_tdnn_sdpa_hooks", "_tdnn_step_hooks"):
+        for handle in model.__dict__.pop(name, None) or ():
+            handle.remove()
+    model.__dict__.pop("_tdnn_cast_plan", None)
     return count

@@ -202,7 +202,7 @@ class _Step:
     """One forward of a patched model (see the module's docstring): the ``num_batches_tracked``
     counters its fused calls leave to it, and its weight casts."""
 
-    __slots__ = ("owner", "plan", "counts", "casts", "depth")
+    __slots__ = ("casts", "counts", "depth", "owner", "plan")
 
     def __init__(self, owner: torch.nn.Module, plan: _CastPlan) -> None:
         self.owner = owner

@@ -292,7 +292,7 @@ class Twice(nn.Module):
 
 def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatch):
     """A fused model's forward is one step (``conv_bn._Step``): from the second forward on its
-    convolutions' weights are cast by one multi-tensor copy, and the batch norms' counters are
+    convolutions' weights are cast by one launch, and the batch norms' counters are
     added by one multi-tensor add as it returns, one each where a pair runs twice. A weight
     replaced within a forward (after the copy) or changed in place between forwards is what the
     next call uses; a forward that raises leaves no step open; unpatch removes the hooks."""
@@ -303,8 +303,15 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     ours = copy.deepcopy(model)
     tnn.patch(ours, fuse=True)
     copies, adds = [], []
-    real_copy, real_add = torch._foreach_copy_, torch._foreach_add_
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: copies.append(len(d)) or real_copy(d, s))
+    real_cast, real_add = conv_bn._CastPlan.cast_all, torch._foreach_add_
+
+    def cast_all(plan, *args):
+        casts = real_cast(plan, *args)
+        if casts.places:
+            copies.append(len(casts.places))
+        return casts
+
+    monkeypatch.setattr(conv_bn._CastPlan, "cast_all", cast_all)
     monkeypatch.setattr(torch, "_foreach_add_", lambda t, v: adds.append(len(t)) or real_add(t, v))
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -327,7 +334,7 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
         got, want = forward(ours, x), forward(model, x)
         assert_close(got, want, what=f"step {step}")
     # Forward 1's first block call primes the programs, its second learns the plan; 2-4 cast in
-    # one copy each (3's second block call casts conv2's new weight alone: the copy had the old).
+    # one launch each (3's second block call casts conv2's new weight alone: the launch had the old).
     assert copies == [2, 2, 2] and conv_bn._local.step is None
     assert len(node_calls) == 2 + 3 * 4
     counters = [int(m.num_batches_tracked) for m in (ours.block.bn1, ours.block.bn2)]
@@ -341,6 +348,31 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     assert conv_bn._local.step is None
     assert tnn.unpatch(ours) > 0
     assert not ours._forward_pre_hooks and not ours._forward_hooks and "_tdnn_cast_plan" not in vars(ours)
+
+
+def test_cast_plan_casts_every_weight_through_its_table():
+    """The one-launch cast: weights of several blocks' size and none, both layouts, each view
+    equal to the weight's own ``.to``; a weight not fp32 is left to its call; a new storage under
+    the same parameter is read from the next step on."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    shapes = [(9000,), (3, 4, 1, 1), (70, 9, 3, 3), (5, 2, 3, 3)]
+    convs = [nn.Module() for _ in shapes]
+    for conv, shape in zip(convs, shapes):
+        conv.weight = nn.Parameter(randn(*shape))
+    convs[2].weight = nn.Parameter(convs[2].weight.detach().contiguous(memory_format=torch.channels_last))
+    convs[3].weight = nn.Parameter(convs[3].weight.detach().double())
+    plan = conv_bn._CastPlan()
+    for conv in convs:
+        plan.learn(conv)
+    for step in range(2):
+        casts = plan.cast_all(low, convs[0].weight)
+        for conv in convs[:3]:
+            view = casts.get(conv, conv.weight, low)
+            assert view.stride() == conv.weight.stride() and view.data_ptr() % 16 == 0
+            assert torch.equal(view, conv.weight.detach().to(low)), f"step {step}"
+        assert casts.get(convs[3], convs[3].weight, low) is None  # fp64: cast by its call
+        with torch.no_grad():
+            convs[1].weight.data = randn(3, 4, 1, 1)  # new storage, same parameter
 
 
 def test_fused_step_counts_with_one_add(node_calls, monkeypatch):

@@ -79,7 +79,7 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
 
 # Weight-gradient engines timed side by side on the stride-1 channels-last layers (the shifted
 # GEMM takes back wrapped pixels; the padded-box engine is run by name until it is priced).
-WGRAD_ENGINES = ("shifted_gemm", "padded_box", "im2col_gemm")
+WGRAD_ENGINES = ("shifted_gemm", "padded_box", "im2col_gemm", "implicit_gemm")
 
 
 def _wgrad_engine_cases(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, padding, groups,

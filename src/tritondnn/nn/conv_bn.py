@@ -317,12 +317,12 @@ _local = _Local()
 def enter_step(model: torch.nn.Module, *_: object) -> None:
     """Forward pre-hook opening the model's ``_Step`` (``patch(model, fuse=True)`` registers it);
     a nested patched model's forward joins the open one."""
+    if torch.compiler.is_compiling():
+        return  # traced calls take the unfused path (``_key``); nothing here for Dynamo to trace
     step = _local.step
     if step is not None:
         step.depth += 1
         return
-    if torch.compiler.is_compiling():
-        return  # traced calls take the unfused path (``_key``)
     plan = model.__dict__.get("_tdnn_cast_plan")
     if plan is None:
         plan = model.__dict__["_tdnn_cast_plan"] = _CastPlan()
@@ -332,6 +332,8 @@ def enter_step(model: torch.nn.Module, *_: object) -> None:
 def exit_step(model: torch.nn.Module, *_: object) -> None:
     """Forward hook closing ``enter_step``'s step (registered with ``always_call=True``: it runs
     when the forward raised, and when an earlier pre-hook raised and no step was opened)."""
+    if torch.compiler.is_compiling():
+        return
     step = _local.step
     if step is None:
         return

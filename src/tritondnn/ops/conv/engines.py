@@ -575,6 +575,10 @@ class ImplicitGemmWgradEngine(Engine[ConvProblem]):
         # so are short runs in 16-bit (the bf16 stem, 3 channels: 2627 us).
         if p.dtype in ("float16", "bfloat16") and (not p.channels_last or run < 1.0):
             run *= 0.1
+        elif p.dtype in ("float16", "bfloat16") and p.taps > 1:
+            # Gathered taps: H200, bf16 NHWC N=64, CUDA graphs, 3x3 64 @56 113.5 us, 128 @28 72.7,
+            # 256 @14 87.2, 512 @7 90.6 (130-200 TFLOP/s).
+            run *= 0.5
         cost = roofline(p.flops, p.bytes, peak(p), 0.6 * run, 0.6) + 8.0
         if staged:  # x and dy read and written once more
             nbytes = 2 * (p.in_pixels * p.cin + p.out_pixels * p.cout) * itemsize(p.dtype)

@@ -358,6 +358,22 @@ def reduction_splits(p: ConvProblem, tiles: int, pixels: int, config: LaunchConf
     return min(range(1, min(most, 256) + 1), key=cost)
 
 
+def _margin_share(p: ConvProblem) -> float:
+    """The share of (pixel, tap) pairs the take-back loop gathers: taps displaced past an edge.
+    Each costs a few of the main loop's (registers, not descriptors): H200, bf16 NHWC N=64, CUDA
+    graphs, 3x3 512 @7 (share 0.18) 63.5 us, 256 @14 (0.09) 45.8, 128 @28 40.8 (57.5 and 52.1 in
+    the bench's own timing)."""
+    share = 0.0
+    for taps in range(p.taps):
+        kept = 1.0
+        for dim, size in enumerate(p.out_size):
+            k = (taps // math.prod(p.kernel[dim + 1 :])) % p.kernel[dim]
+            off = abs(k * p.dilation[dim] - p.pad[dim])
+            kept *= max(0, size - off) / size
+        share += 1.0 - kept
+    return share / p.taps
+
+
 @WGRAD_FAMILY.register
 class ShiftedGemmWgradEngine(Engine[ConvProblem]):
     """Weight gradient of a stride-1 'same' convolution (channels-last): per tap, dy's pixel rows
@@ -376,7 +392,10 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         # conv3d by 42%); taking wrapped pixels back instead made the 3x3 layers 1.2-1.6x faster
         # again (84-110 us against cuDNN's 33-55), 1x1 is at 0.9-1.0x cuDNN.
         wraps = p.taps > 1 or any(p.pad)  # the take-back loop runs
-        cost = roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) + 8.0
+        cost = (
+            roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) * (1 + 2.5 * _margin_share(p))
+            + 8.0
+        )
         for _, channels, _, staged in _operands(p):
             if staged:  # its channels-last copy: read and written once more
                 nbytes = 2 * p.n * math.prod(p.in_size) * channels * itemsize(p.dtype)

@@ -341,6 +341,11 @@ def _columns_product(p: ConvProblem) -> tuple[mm.Layout, Engine, LaunchConfig]:
         and not lay.swapped
         and 2 * tiles >= sm_count()
     ):
+        if itemsize(p.out_dtype) > itemsize(p.dtype):
+            # A wider dw (fp32 for an fp32 master weight): the tile is stored from registers in
+            # column halves, as the family's configs do where the descriptor store's staging
+            # would not fit beside the pipeline (278 KB of 227).
+            return lay, tma, {**_COLUMNS_TILE, "STORE_DESC": False, "SUBTILE": True}
         return lay, tma, _COLUMNS_TILE
     return lay, choice.engine, choice.config
 
@@ -351,11 +356,14 @@ def _columns_cost(p: ConvProblem) -> float:
     product in ``_COLUMNS_TILE`` 33.5 us at 512 @7 (14.8 GFLOP)."""
     cols = p.out_pixels * p.cin * p.taps * itemsize(p.dtype)
     lay, engine, config = _columns_product(p)
-    if config is _COLUMNS_TILE:
+    if config.get("BLOCK_N") == _COLUMNS_TILE["BLOCK_N"] and engine.name == "tma-persistent":
         product = roofline(p.flops, 0, peak(p), 0.75, 1.0)
     else:
         product = engine.cost(lay.problem)
-    return cols / (_BANDWIDTH * 1e6 * 0.75) + 8.0 + product
+    copy = cols / (_BANDWIDTH * 1e6 * 0.75)
+    # Columns past 128 MB are read back from memory at the copy's rate again (H200, N=128, 3x3
+    # stride 2: 128 @56, 231 MB, 261 us against 172 modelled without this; 256 @28, 115 MB, 121).
+    return copy * (2 if cols > 128 << 20 else 1) + 8.0 + product
 
 
 @WGRAD_FAMILY.register

@@ -10,6 +10,7 @@ through the op.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -96,3 +97,17 @@ def raw_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     ``setup_context`` (the wrapper binds default arguments for those)."""
     descriptor = vars(torch._C._FunctionBase).get("apply") if hasattr(torch._C, "_FunctionBase") else None
     return descriptor.__get__(None, cls) if descriptor is not None else cls.apply
+
+
+@functools.cache
+def dynamo_rules_built() -> None:
+    """Build torch._dynamo's tables of known functions before the first torch.fx trace (the
+    operation graph's and ``patch(fuse=True)``'s). fx replaces ``math``'s functions in the traced
+    code while it traces; tables first built inside that window key the replacements, and every
+    later ``torch.compile`` in the process then refuses ``math.isfinite`` & co. (seen: fullgraph
+    compiles of tritondnn ops failing after a trace. A fused model's fullgraph compile has also
+    failed so, in ``check_eps``, after other tests in the same process, now and then: built
+    before fusion's traces too, not reproduced on demand either way.)"""
+    import torch._dynamo.trace_rules as rules
+
+    rules.lookup(math.isfinite)

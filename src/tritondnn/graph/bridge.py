@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from ..core.backend import DEVICE_TYPE, ON_DEVICE_ATTR
 from ..core.errors import NotSupportedError
+from ..core.library import dynamo_rules_built
 from .bridge_ops import _HANDLERS, _META_EQUIVALENT, _T, _Unsupported
 from .graph import MODES, Graph
 from .plan import Plan
@@ -345,19 +346,8 @@ def compile_graph(fn: Callable[..., Any], *, mode: str = "fast", strict: bool = 
     return CompiledGraph(fn, mode, strict)
 
 
-@functools.cache
-def _dynamo_rules_built() -> None:
-    """Build torch._dynamo's tables of known functions before the first trace. fx replaces
-    ``math``'s functions in the traced code while it traces; tables first built inside that window
-    key the replacements, and every later ``torch.compile`` in the process then refuses
-    ``math.isfinite`` & co. (seen: fullgraph compiles of tritondnn ops failing after a trace)."""
-    import torch._dynamo.trace_rules as rules
-
-    rules.lookup(math.isfinite)
-
-
 def _trace(fn: Callable[..., Any], args: tuple) -> fx.Graph:
-    _dynamo_rules_built()
+    dynamo_rules_built()
     metas = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
     try:
         graph = _Tracer(metas).trace(fn)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import fx, nn
 
+from ..core.library import dynamo_rules_built
 from .containers import Sequential
 from .conv_bn import conv_batch_norm
 from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_norm, relu_fusable_batch_norm
@@ -360,6 +361,7 @@ def _stacks(module: nn.Module, name: str, selected: Callable[[str, nn.Module], b
 def _trace(module: nn.Module, stacks: Sequence[_Stack] = ()) -> tuple[fx.Graph | None, str]:
     """The module's forward graph (children as calls, except ``stacks``' Sequentials and blocks,
     run through), or None and why not."""
+    dynamo_rules_built()
     through = frozenset(id(m) for _, stack, blocks in stacks for m in (stack, *blocks))
     modes = [(m, m.training) for m in module.modules()]
     graphs = []

@@ -298,6 +298,8 @@ _COLUMNS_LIMIT = 1 << 30  # bytes: past this the copy dwarfs any product it coul
 
 def _columns_reasons(p: ConvProblem) -> list[str]:
     reasons = []
+    if not _reasons(p):
+        reasons.append("a 1x1 kernel without padding is gemm_1x1's (the same product, no copy)")
     if p.groups != 1:
         reasons.append(f"needs one group (got {p.groups})")
     if not p.channels_last:
@@ -353,7 +355,10 @@ def _columns_product(p: ConvProblem) -> tuple[mm.Layout, Engine, LaunchConfig]:
 def _columns_cost(p: ConvProblem) -> float:
     """Writing the columns (x's pixels read once per tap, mostly from L2) and the product. H200,
     bf16 N=64: the copy 12.4 us at 3x3 512 @7 (29 MB of columns), 26.2 at 256 @14 (58 MB); the
-    product in ``_COLUMNS_TILE`` 33.5 us at 512 @7 (14.8 GFLOP)."""
+    product in ``_COLUMNS_TILE`` 33.5 us at 512 @7 (14.8 GFLOP). Timed in 16 bits only: in other
+    dtypes it runs by name (priced out)."""
+    if p.dtype not in ("float16", "bfloat16"):
+        return 1e9
     cols = p.out_pixels * p.cin * p.taps * itemsize(p.dtype)
     lay, engine, config = _columns_product(p)
     if config.get("BLOCK_N") == _COLUMNS_TILE["BLOCK_N"] and engine.name == "tma-persistent":

@@ -392,10 +392,8 @@ class ShiftedGemmWgradEngine(Engine[ConvProblem]):
         # conv3d by 42%); taking wrapped pixels back instead made the 3x3 layers 1.2-1.6x faster
         # again (84-110 us against cuDNN's 33-55), 1x1 is at 0.9-1.0x cuDNN.
         wraps = p.taps > 1 or any(p.pad)  # the take-back loop runs
-        cost = (
-            roofline(p.flops, p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) * (1 + 2.5 * _margin_share(p))
-            + 8.0
-        )
+        take_back = 2.5 * _margin_share(p) if p.dtype in ("float16", "bfloat16") else 0.0  # timed there
+        cost = roofline(p.flops * (1 + take_back), p.bytes, peak(p), 0.65 if wraps else 0.8, 0.7) + 8.0
         for _, channels, _, staged in _operands(p):
             if staged:  # its channels-last copy: read and written once more
                 nbytes = 2 * p.n * math.prod(p.in_size) * channels * itemsize(p.dtype)

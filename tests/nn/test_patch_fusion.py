@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import pickle
 import warnings
 
 import pytest
@@ -315,30 +316,35 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     monkeypatch.setattr(torch, "_foreach_add_", lambda t, v: adds.append(len(t)) or real_add(t, v))
 
     def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device, dtype=low):
+        # Without autocast's cache, which would keep a weight's cast across a swap of its .data.
+        with torch.autocast(device, dtype=low, cache_enabled=False):
             return m(x)
 
     x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
-    for step in range(4):
-        for m in (ours, model):  # step 2: a new weight object between the block's two calls
+
+    def new_weight(c: nn.Module) -> None:
+        c.weight = nn.Parameter(c.weight.detach() * 0.5)
+
+    def new_storage(c: nn.Module) -> None:  # as FSDP's unsharding swaps it
+        c.weight.data = c.weight.detach().roll(1, 0).contiguous(memory_format=torch.channels_last)
+
+    for step in range(5):
+        for m in (ours, model):  # steps 2 and 4: conv2's weight changes between the block's calls
             conv = m.block.conv2
-            m.between = (
-                (lambda c=conv: setattr(c, "weight", nn.Parameter(c.weight.detach() * 0.5)))
-                if step == 2
-                else None
-            )
+            change = {2: new_weight, 4: new_storage}.get(step)
+            m.between = None if change is None else (lambda c=conv, f=change: f(c))
         if step == 3:
             with torch.no_grad():
                 for m in (ours, model):
                     m.block.conv1.weight.data.mul_(-1)
         got, want = forward(ours, x), forward(model, x)
         assert_close(got, want, what=f"step {step}")
-    # Forward 1's first block call primes the programs, its second learns the plan; 2-4 cast in
-    # one launch each (3's second block call casts conv2's new weight alone: the launch had the old).
-    assert copies == [2, 2, 2] and conv_bn._local.step is None
-    assert len(node_calls) == 2 + 3 * 4
+    # Forward 1's first block call primes the programs, its second learns the plan; 2-5 cast in
+    # one launch each (3's and 5's second block calls cast conv2 alone: the launch had the old).
+    assert copies == [2, 2, 2, 2] and conv_bn._local.step is None
+    assert len(node_calls) == 2 + 4 * 4
     counters = [int(m.num_batches_tracked) for m in (ours.block.bn1, ours.block.bn2)]
-    assert counters == [8, 8] == [int(m.num_batches_tracked) for m in (model.block.bn1, model.block.bn2)]
+    assert counters == [10, 10] == [int(m.num_batches_tracked) for m in (model.block.bn1, model.block.bn2)]
     assert adds == [2]  # forward 1's fused call; then each counter twice a step: an add_ each
     for a, b in zip(ours.buffers(), model.buffers()):  # statistics of low-precision activations
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
@@ -346,8 +352,44 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     with pytest.raises(RuntimeError):
         forward(ours, randn(2, 5, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last))
     assert conv_bn._local.step is None
+    pickle.dumps(ours._tdnn_cast_plan)  # a model saved whole: the plan's launchers are left out
+    assert copy.deepcopy(ours)._tdnn_cast_plan.convs == []  # a copy learns its own
     assert tnn.unpatch(ours) > 0
     assert not ours._forward_pre_hooks and not ours._forward_hooks and "_tdnn_cast_plan" not in vars(ours)
+
+
+def test_fused_step_after_an_interrupted_forward(node_calls):
+    """A KeyboardInterrupt skips the hook that closes the step (PyTorch runs it on Exception
+    only): the model's next forward adds the open step's counts and starts a new one, casting
+    the weights as they are then."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    torch.manual_seed(0)
+    model = Twice().to(DEVICE).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours, fuse=True)
+    x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    for step in range(5):
+        outputs = []
+        for m in (ours, model):
+            m.between = interrupt if step == 2 else None
+            with torch.autocast(DEVICE.split(":")[0], dtype=low):
+                if step == 2:
+                    with pytest.raises(KeyboardInterrupt):
+                        m(x)
+                else:
+                    outputs.append(m(x))
+            with torch.no_grad():
+                m.block.conv1.weight.mul_(-0.5)
+        if outputs:
+            assert_close(outputs[0], outputs[1], what=f"step {step}")
+    assert conv_bn._local.step is None
+    for a, b in zip(ours.buffers(), model.buffers()):
+        if not a.is_floating_point():
+            assert torch.equal(a, b), "num_batches_tracked"
 
 
 def test_cast_plan_casts_every_weight_through_its_table():

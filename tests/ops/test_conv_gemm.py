@@ -172,3 +172,24 @@ def test_im2col_wgrad_reasons():
     assert any("GiB" in r for r in engine.not_supported_reasons(huge))
     # Timed in 16 bits only: other dtypes run it by name.
     assert engine.cost(problem) == 1e9 > engine.cost(dataclasses.replace(problem, dtype="float16"))
+
+
+@pytest.mark.gpu_only("Hopper's persistent TMA kernel in 128 x 256 tiles (the interpreter runs none)")
+def test_im2col_wgrad_wide_tiles():
+    """3x3 512 @7: the product in ``_COLUMNS_TILE`` (its tiles fill half the GPU), into a bf16 dw
+    and into an fp32 one (stored from registers in halves), against the float64 reference."""
+    from tritondnn.ops.conv.plans import wgrad_plan
+
+    x = channels_last(torch.randn(2, 512, 7, 7, device=DEVICE)).bfloat16()
+    dy = channels_last(torch.randn(2, 512, 7, 7, device=DEVICE)).bfloat16()
+    w_shape = (512, 512, 3, 3)
+    problem = conv.describe_wgrad(x, dy, w_shape, 1, 1)
+    assert conv.gemm._columns_product(problem)[2] is conv.gemm._COLUMNS_TILE
+    w = torch.empty(w_shape, device=DEVICE)
+    _, rw = conv_backward_reference(x, w, dy, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    _, tw = conv_backward_reference(x.float(), w, dy.float(), (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    assert_close(
+        conv.conv_backward_weight(x, dy, w_shape, 1, 1, algo=COLUMNS), rw, tw.bfloat16(), what="bf16 dw"
+    )
+    wide = wgrad_plan(x, dy, list(w_shape), [1, 1], [1, 1], [1, 1], 1, COLUMNS, torch.float32)(x, dy)
+    assert_close(wide, rw.float(), what="fp32 dw")

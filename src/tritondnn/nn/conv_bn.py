@@ -189,13 +189,21 @@ class _Casts:
 
     def __init__(self, flat: torch.Tensor, places: dict[int, tuple]) -> None:
         self.flat = flat
-        self.places = places  # id(conv) -> (weight, shape, stride, offset)
+        self.places = places  # id(conv) -> (weight, (address, shape, strides), offset)
 
     def get(self, conv: torch.nn.Module, weight: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
+        """The cast of ``weight``, or None where the step's launch did not cast it as it is now:
+        another tensor, or new storage since (FSDP's unsharding swaps ``.data`` within a forward)."""
         place = self.places.get(id(conv))
-        if place is None or place[0] is not weight or self.flat.dtype != low:
+        if (
+            place is None
+            or place[0] is not weight
+            or self.flat.dtype != low
+            or _signature(weight) != place[1]
+        ):
             return None
-        return self.flat.as_strided(place[1], place[2], place[3])
+        _, shape, strides = place[1]
+        return self.flat.as_strided(shape, strides, place[2])
 
 
 _NO_CASTS = _Casts(torch.empty(0), {})
@@ -210,11 +218,18 @@ class _CastPlan:
         self.convs: list[torch.nn.Module] = []
         self.known: set[int] = set()
         self.sources: list[torch.Tensor | None] = []
-        self.addresses: tuple[int, ...] = ()
+        self.signatures: tuple = ()
         self.places: dict[int, tuple] = {}
         self.table: torch.Tensor | None = None
+        self.table_kept = False
         self.total = self.blocks = 0
         self.launches: dict[torch.dtype, Callable[..., None]] = {}
+
+    def __getstate__(self) -> dict:
+        return {}  # a pickled or copied model learns its own plan (launchers do not pickle)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
 
     def learn(self, conv: torch.nn.Module) -> None:
         if id(conv) not in self.known:
@@ -226,20 +241,24 @@ class _CastPlan:
         device, each at a 128-byte boundary of one new buffer (the convolutions' tensor
         descriptors need 16)."""
         sources = [conv._parameters.get("weight") for conv in self.convs]
-        addresses = tuple(0 if w is None else w.data_ptr() for w in sources)
+        signatures = tuple(None if w is None else _signature(w) for w in sources)
         fresh = (
             len(sources) == len(self.sources)
             and all(a is b for a, b in zip(sources, self.sources))
-            and addresses == self.addresses
+            and signatures == self.signatures
             and self.table is not None
             and self.table.device == like.device
         )
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not (fresh and low in self.launches):
+            return _NO_CASTS  # no table upload or kernel build while a graph is captured
         if not fresh:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return _NO_CASTS  # no table upload while a graph is captured: each call casts
-            self._build(sources, addresses, like.device)
+            self._build(sources, signatures, like.device)
         if not self.places:
             return _NO_CASTS
+        if capturing and not self.table_kept:
+            _CAPTURED_TABLES.append(self.table)  # the graph reads it on every replay
+            self.table_kept = True
         launch = self.launches.get(low)
         if launch is None:
             count = len(self.places)
@@ -249,20 +268,30 @@ class _CastPlan:
         launch(self.table, flat)
         return _Casts(flat, self.places)
 
-    def _build(self, sources: list, addresses: tuple[int, ...], device: torch.device) -> None:
+    def _build(self, sources: list, signatures: tuple, device: torch.device) -> None:
         rows: list[tuple[int, int, int, int]] = []
         self.places = {}
         offset = blocks = 0
-        for conv, w in zip(self.convs, sources):
+        for conv, w, signature in zip(self.convs, sources, signatures):
             if w is None or w.dtype != torch.float32 or w.device != device or not _dense(w):
                 continue
             rows.append((blocks, w.data_ptr(), offset, w.numel()))
-            self.places[id(conv)] = (w, w.shape, w.stride(), offset)
+            self.places[id(conv)] = (w, signature, offset)
             offset += cdiv(w.numel(), 64) * 64
             blocks += cdiv(w.numel(), _CAST_BLOCK)
-        self.sources, self.addresses, self.total, self.blocks = sources, addresses, offset, blocks
+        self.sources, self.signatures, self.total, self.blocks = sources, signatures, offset, blocks
         self.launches = {}
         self.table = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(device) if rows else None
+        self.table_kept = False
+
+
+# Tables a captured CUDA graph launched the cast with: kept for as long as the process runs (a few
+# hundred bytes each), since the graph may be replayed after its model's plan made a new one.
+_CAPTURED_TABLES: list[torch.Tensor] = []
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride()
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -321,8 +350,14 @@ def enter_step(model: torch.nn.Module, *_: object) -> None:
         return  # traced calls take the unfused path (``_key``); nothing here for Dynamo to trace
     step = _local.step
     if step is not None:
-        step.depth += 1
-        return
+        if step.owner is not model:
+            step.depth += 1
+            return
+        # The model's own step still open: its forward ended without the closing hook (PyTorch
+        # runs it on Exception, not on KeyboardInterrupt), or the model calls itself. Either
+        # way the batches counted so far are added now and a new step begins.
+        _local.step = None
+        step.finish()
     plan = model.__dict__.get("_tdnn_cast_plan")
     if plan is None:
         plan = model.__dict__["_tdnn_cast_plan"] = _CastPlan()

@@ -354,6 +354,9 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     assert conv_bn._local.step is None
     pickle.dumps(ours._tdnn_cast_plan)  # a model saved whole: the plan's launchers are left out
     assert copy.deepcopy(ours)._tdnn_cast_plan.convs == []  # a copy learns its own
+    twin = copy.copy(ours)  # its __dict__'s values shared, as DataParallel's replicas have them
+    forward(twin, x)
+    assert twin._tdnn_cast_plan is not ours._tdnn_cast_plan
     assert tnn.unpatch(ours) > 0
     assert not ours._forward_pre_hooks and not ours._forward_hooks and "_tdnn_cast_plan" not in vars(ours)
 

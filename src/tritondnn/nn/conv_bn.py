@@ -214,7 +214,8 @@ class _CastPlan:
     those its earlier forwards ran fused under autocast, and the table the launch reads (made
     again when a convolution joins or a weight's tensor or storage changes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: int | None = None) -> None:
+        self.owner = owner  # id() of the model it is kept on
         self.convs: list[torch.nn.Module] = []
         self.known: set[int] = set()
         self.sources: list[torch.Tensor | None] = []
@@ -359,8 +360,8 @@ def enter_step(model: torch.nn.Module, *_: object) -> None:
         _local.step = None
         step.finish()
     plan = model.__dict__.get("_tdnn_cast_plan")
-    if plan is None:
-        plan = model.__dict__["_tdnn_cast_plan"] = _CastPlan()
+    if plan is None or plan.owner != id(model):  # new, or a copy's (DataParallel's replicas)
+        plan = model.__dict__["_tdnn_cast_plan"] = _CastPlan(id(model))
     _local.step = _Step(model, plan)
 
 

@@ -16,7 +16,8 @@ where the layer is small and deep (3x3 512 @7: taps over a 7x7 grid are mostly b
 engines that address taps pay for in every tile). The matrix products then take what the matmul
 family would choose for them: the persistent TMA kernel on Hopper, the skinny kernel for narrow
 outputs, split-K (deterministic: partial sums added in a fixed order) for the weight gradient's
-long reduction. The other convolution engines address each pixel's taps; here there are none.
+long reduction. The other convolution engines address each pixel's taps; here there are none,
+or they are laid out as columns first.
 """
 
 from __future__ import annotations
@@ -330,26 +331,27 @@ _COLUMNS_TILE = {
 }  # fmt: skip
 
 
-def _columns_product(p: ConvProblem) -> tuple[mm.Layout, Engine, LaunchConfig]:
-    """The layout of dy^T @ cols and the engine and configuration that run it: ``_COLUMNS_TILE``
-    where its tiles fill half the GPU or more (256 @14's 36 tiles ran 148 us whole, against 66
-    with the family's pick)."""
+def _columns_product(p: ConvProblem) -> tuple[mm.Layout, Engine, LaunchConfig, float]:
+    """The layout of dy^T @ cols, the engine and configuration that run it and its modelled
+    microseconds: ``_COLUMNS_TILE`` (at 0.75 of peak) where its tiles fill half the GPU or more
+    (256 @14's 36 tiles ran 148 us whole, against 66 with the family's pick)."""
     lay, choice = _matmul(p)
     tma = mm.PersistentTmaEngine()
-    tiles = cdiv(p.cout, 128) * cdiv(p.cin * p.taps, 256)
+    tiles = cdiv(p.cout, _COLUMNS_TILE["BLOCK_M"]) * cdiv(p.cin * p.taps, _COLUMNS_TILE["BLOCK_N"])
     if (
         p.dtype in ("float16", "bfloat16")
         and not tma.not_supported_reasons(lay.problem)
         and not lay.swapped
         and 2 * tiles >= sm_count()
     ):
+        config = _COLUMNS_TILE
         if itemsize(p.out_dtype) > itemsize(p.dtype):
             # A wider dw (fp32 for an fp32 master weight): the tile is stored from registers in
             # column halves, as the family's configs do where the descriptor store's staging
             # would not fit beside the pipeline (278 KB of 227).
-            return lay, tma, {**_COLUMNS_TILE, "STORE_DESC": False, "SUBTILE": True}
-        return lay, tma, _COLUMNS_TILE
-    return lay, choice.engine, choice.config
+            config = {**config, "STORE_DESC": False, "SUBTILE": True}
+        return lay, tma, config, roofline(p.flops, 0, peak(p), 0.75, 1.0)
+    return lay, choice.engine, choice.config, choice.engine.cost(lay.problem)
 
 
 def _columns_cost(p: ConvProblem) -> float:
@@ -360,11 +362,7 @@ def _columns_cost(p: ConvProblem) -> float:
     if p.dtype not in ("float16", "bfloat16"):
         return 1e9
     cols = p.out_pixels * p.cin * p.taps * itemsize(p.dtype)
-    lay, engine, config = _columns_product(p)
-    if config.get("BLOCK_N") == _COLUMNS_TILE["BLOCK_N"] and engine.name == "tma-persistent":
-        product = roofline(p.flops, 0, peak(p), 0.75, 1.0)
-    else:
-        product = engine.cost(lay.problem)
+    product = _columns_product(p)[3]
     copy = cols / (_BANDWIDTH * 1e6 * 0.75)
     # Columns past 128 MB are read back from memory at the copy's rate again (H200, N=128, 3x3
     # stride 2: 128 @56, 231 MB, 261 us against 172 modelled without this; 256 @28, 115 MB, 121).
@@ -386,11 +384,11 @@ class Im2colGemmWgradEngine(Engine[ConvProblem]):
         return _columns_cost(problem)
 
     def configs(self, problem: ConvProblem) -> list[LaunchConfig]:
-        return [{}]  # the matmul family picks its own engine and configuration
+        return [{}]  # the product's engine and configuration: ``_columns_product``
 
     def bind(self, problem: ConvProblem, config: LaunchConfig) -> Callable[..., None]:
         p = problem
-        lay, engine, config = _columns_product(p)
+        lay, engine, config, _ = _columns_product(p)
         launch = engine.bind(lay.problem, config)
         ncols = p.cin * p.taps
         _, _, col_c, col_t = wgrad_out_steps(p)

@@ -364,10 +364,10 @@ def _margin_share(p: ConvProblem) -> float:
     graphs, 3x3 512 @7 (share 0.18) 63.5 us, 256 @14 (0.09) 45.8, 128 @28 40.8 (57.5 and 52.1 in
     the bench's own timing)."""
     share = 0.0
-    for taps in range(p.taps):
+    for tap in range(p.taps):
         kept = 1.0
         for dim, size in enumerate(p.out_size):
-            k = (taps // math.prod(p.kernel[dim + 1 :])) % p.kernel[dim]
+            k = (tap // math.prod(p.kernel[dim + 1 :])) % p.kernel[dim]
             off = abs(k * p.dilation[dim] - p.pad[dim])
             kept *= max(0, size - off) / size
         share += 1.0 - kept

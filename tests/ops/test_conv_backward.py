@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import tritondnn as tdnn
-from helpers import DEVICE, assert_close
+from helpers import DEVICE, ON_GPU, assert_close
+from tritondnn.bench.conv import RESNET50
 from tritondnn.ops import conv
 from tritondnn.ops.conv import conv_backward_reference, conv_reference, conv_transpose_reference
 from tritondnn.ops.conv.engines import wgrad_staged as staged
@@ -282,6 +283,33 @@ def test_wgrad_split_deterministic():
         b = conv.conv_backward_weight(x, dy, w.shape, 1, 1)
     assert torch.equal(a, b)
     assert_close(a, conv_backward_reference(x, w, dy, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)[1])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the engines the GPU picks at the benchmark's sizes")
+@pytest.mark.parametrize("layer", RESNET50, ids=[layer[0] for layer in RESNET50])
+def test_resnet_gradients_deterministic(layer):
+    """The issue's deterministic mode on the benchmark's layers (bf16 channels-last, N=64): two
+    runs of dgrad and wgrad give the same bits, and dgrad + wgrad are close to fp64's."""
+    _, cin, cout, k, stride, padding, size = layer
+    x = channels_last(torch.randn(64, cin, size, size, device=DEVICE, dtype=torch.bfloat16))
+    w = torch.randn(cout, cin, k, k, device=DEVICE, dtype=torch.bfloat16) / (cin * k * k) ** 0.5
+    w = channels_last(w)
+    out = (size + 2 * padding - k) // stride + 1
+    dy = channels_last(torch.randn(64, cout, out, out, device=DEVICE, dtype=torch.bfloat16))
+    with tdnn.config.flags(deterministic=True):
+        runs = [
+            (
+                conv.conv_backward_data(dy, w, x.shape, stride, padding),
+                conv.conv_backward_weight(x, dy, w.shape, stride, padding),
+            )
+            for _ in range(2)
+        ]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    pads = ((padding, padding),) * 2
+    want = conv_backward_reference(x, w, dy, (stride,) * 2, pads, (1, 1), 1)
+    for got, ref in zip(runs[0], want):
+        scale = ref.abs().max().item()
+        assert (got.double() - ref).abs().max().item() <= 2e-2 * scale
 
 
 def test_bias_gradient():

@@ -322,11 +322,13 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
 
     x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
 
+    # New weights keep the old strides: a 1x1 weight's size-one dimensions take any, and the GPU's
+    # elementwise ops pick others than the CPU's, which would change the fast path's key.
     def new_weight(c: nn.Module) -> None:
-        c.weight = nn.Parameter(c.weight.detach() * 0.5)
+        c.weight = nn.Parameter(torch.empty_like(c.weight).copy_(c.weight.detach() * 0.5))
 
     def new_storage(c: nn.Module) -> None:  # as FSDP's unsharding swaps it
-        c.weight.data = c.weight.detach().roll(1, 0).contiguous(memory_format=torch.channels_last)
+        c.weight.data = torch.empty_like(c.weight).copy_(c.weight.detach().roll(1, 0))
 
     for step in range(5):
         for m in (ours, model):  # steps 2 and 4: conv2's weight changes between the block's calls

@@ -192,6 +192,28 @@ def test_spread_engine_shares_tiles(cell, options, sms, monkeypatch, poison):
            what=f"{sms} multiprocessors")  # fmt: skip
 
 
+@pytest.mark.parametrize("unit", [4, 8])
+@pytest.mark.parametrize(
+    "cell, options",
+    [("lstm", dict(bidirectional=True)), ("lstm", dict(proj_size=9)), ("gru", dict(bidirectional=True))],
+    ids=["lstm-bidir", "lstm-proj", "gru-bidir"],
+)
+def test_spread_engine_gathered_gates(cell, options, unit, monkeypatch, poison):
+    """The spread engine's forward with the gates of ``unit`` hidden units gathered into one
+    product (``GATHER``; a GRU's fourth gate zeros): H = 20 in tiles of 4 or 8, the last one
+    partial; the backward as before."""
+    cfg = {"BLOCK_B": 16, "BLOCK_H": unit, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "GATHER": True,
+           "num_warps": 4}  # fmt: skip
+    real = R.engines.PersistentSpreadEngine.configs
+    monkeypatch.setattr(
+        R.engines.PersistentSpreadEngine, "configs", lambda self, p: real(self, p) if p.backward else [cfg]
+    )
+    monkeypatch.setattr(R, "_plans", {})
+    m = _module(cell, 6, 20, **options)
+    _check(cell, m, torch.randn(4, 5, 6), _states(cell, m, 5, torch.float32), algo="persistent-spread",
+           what=f"gathered {unit}")  # fmt: skip
+
+
 @pytest.mark.parametrize("algo", ENGINES)
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_inference_double_buffer(cell, algo, poison):

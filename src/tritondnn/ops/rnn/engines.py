@@ -308,6 +308,8 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
     bb, split = config["BLOCK_B"], config["SPLIT"]
     blocks = (bb, config["BLOCK_H"], config["BLOCK_P"], config["BLOCK_K"])
     consts = (*_flags(p), *dot_constexprs(p), *blocks, split, sync, ".cg" if sync else "")
+    if not p.backward:
+        consts = (*consts, config.get("GATHER", False))
     kernel = K._backward_tiled_kernel if p.backward else K._forward_tiled_kernel
     groups = cdiv(p.batch, bb) * p.directions
     run = launcher(

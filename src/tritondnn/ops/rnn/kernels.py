@@ -394,10 +394,14 @@ def _forward_tile(
     CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr, PROJ: tl.constexpr,
     SAVE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
     """Gates and cell update of hidden units ``jt * BLOCK_H ...`` at step s: reads the state slot
     of time t, writes the next slot (projected: o * tanh(c) into ht, for ``_project_tile``).
-    ``CACHE``: the load cache modifier of what other programs wrote (the whole state)."""
+    ``CACHE``: the load cache modifier of what other programs wrote (the whole state).
+    ``GATHER``: the gates' weight rows of the tile gathered into one (4 * BLOCK_H)-wide product
+    (a fourth gate of zeros for a GRU), then split: tiles narrower than a product's 16 columns,
+    so that more programs share the weights and each one's slice stays in its cache."""
     t = _time(s, d, T, False)
     active = (t < n)[:, None]
     DT = y_ptr.dtype.element_ty
@@ -418,6 +422,11 @@ def _forward_tile(
     if not PROJ:  # P == H: this tile's columns of the state
         h_old = tl.load(hbuf_ptr + read[:, None] * P + j[None, :], mask=hm, other=0.0)
     a0, a1, a2, a3 = zero, zero, zero, zero
+    # GATHER: column r of the product is gate r // BLOCK_H of unit r % BLOCK_H of the tile.
+    r = tl.arange(0, 4 * BLOCK_H)
+    unit = jt * BLOCK_H + r % BLOCK_H
+    gathered = (d * G + (r // BLOCK_H) * H + unit) * P
+    acc = tl.zeros([BLOCK_B, 4 * BLOCK_H], ACC)
     for k0 in range(0, P, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         hk = tl.load(
@@ -426,14 +435,24 @@ def _forward_tile(
             other=0.0,
             cache_modifier=CACHE,
         )
-        wt = whh_ptr + (d * G + j[None, :]) * P + k[:, None]
-        wm = (k < P)[:, None] & (j < H)[None, :]
-        a0 = dot(hk, tl.load(wt, mask=wm, other=0.0), a0, PRECISION, UPCAST)
-        if NG > 1:
-            a1 = dot(hk, tl.load(wt + H * P, mask=wm, other=0.0), a1, PRECISION, UPCAST)
-            a2 = dot(hk, tl.load(wt + 2 * H * P, mask=wm, other=0.0), a2, PRECISION, UPCAST)
-        if NG > 3:
-            a3 = dot(hk, tl.load(wt + 3 * H * P, mask=wm, other=0.0), a3, PRECISION, UPCAST)
+        if GATHER:
+            wm = (k < P)[:, None] & ((r // BLOCK_H < NG) & (unit < H))[None, :]
+            w = tl.load(whh_ptr + gathered[None, :] + k[:, None], mask=wm, other=0.0)
+            acc = dot(hk, w, acc, PRECISION, UPCAST)
+        else:
+            wt = whh_ptr + (d * G + j[None, :]) * P + k[:, None]
+            wm = (k < P)[:, None] & (j < H)[None, :]
+            a0 = dot(hk, tl.load(wt, mask=wm, other=0.0), a0, PRECISION, UPCAST)
+            if NG > 1:
+                a1 = dot(hk, tl.load(wt + H * P, mask=wm, other=0.0), a1, PRECISION, UPCAST)
+                a2 = dot(hk, tl.load(wt + 2 * H * P, mask=wm, other=0.0), a2, PRECISION, UPCAST)
+            if NG > 3:
+                a3 = dot(hk, tl.load(wt + 3 * H * P, mask=wm, other=0.0), a3, PRECISION, UPCAST)
+    if GATHER:  # columns g * BLOCK_H + u, g = 2 * g1 + g0: split g0, then g1
+        by_gate = tl.permute(tl.reshape(acc, (BLOCK_B, 2, 2, BLOCK_H)), (0, 3, 1, 2))
+        even, odd = tl.split(by_gate)
+        a0, a2 = tl.split(even)
+        a1, a3 = tl.split(odd)
     out, c_new, s0, s1, s2, s3 = _cell_forward(
         a0 + b0, a1 + b1, a2 + b2, a3 + b3, x0, x1, x2, x3, c, convert(h_old, ACC), CELL
     )
@@ -654,8 +673,10 @@ def _forward_tiled_kernel(
     HAS_LEN: tl.constexpr, SAVE: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, SYNC: tl.constexpr, CACHE: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
-    """``sync_ptr`` (D, batch blocks) int32 zeros: the groups' counters (with SYNC)."""
+    """``sync_ptr`` (D, batch blocks) int32 zeros: the groups' counters (with SYNC); ``GATHER`` as
+    ``_forward_tile``'s."""
     part = tl.program_id(0)
     d = tl.program_id(2)
     b, b_mask = _batch(tl.program_id(1), B, BLOCK_B)
@@ -668,6 +689,7 @@ def _forward_tiled_kernel(
                 x_ptr, whh_ptr, bhh_ptr, y_ptr, hn_ptr, cn_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr,
                 s, jt, d, b, b_mask, n, T, B, H, P, NS,
                 CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, CACHE,
+                GATHER,
             )  # fmt: skip
         arrived += SPLIT
         _phase_done(counter, arrived, SYNC)  # the new state (or ht) is written before any is read
@@ -745,7 +767,7 @@ def _forward_step_kernel(
         _forward_tile(
             x_ptr, whh_ptr, bhh_ptr, y_ptr, hn_ptr, cn_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr,
             s, tl.program_id(0), d, b, b_mask, n, T, B, H, P, NS,
-            CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, "",
+            CELL, NG, D, HAS_BIAS, PROJ, SAVE, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, "", False,
         )  # fmt: skip
     else:
         _project_tile(

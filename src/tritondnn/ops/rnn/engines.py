@@ -375,16 +375,29 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         multiprocessors for (all must be resident at once). First the shape that was fastest on
         every shape swept (H100: LSTM H512 B64 and H1024 B32/B64, bf16 and fp32, forward and
         backward): 16 batch rows by 32 hidden units, 64-wide reduction steps (32 for the fp32
-        backward: 5.16 / 4.79 ms against 5.63 / 5.17), 3 stages in 16 bits."""
-        first = (16, 32, 32 if p.backward and p.elem == 4 else 64, 3 if p.elem < 4 else 2)
+        backward: 5.16 / 4.79 ms against 5.63 / 5.17), 3 stages in 16 bits.
+        A gated cell's forward first gathers its gates (``GATHER``): 16 rows by 16 units, one
+        64-wide product where four 16-wide ones ran half as fast (H200, one layer's forward, us a
+        step, fp32 / bf16: LSTM H512 B64 9.3 / 5.0 against the 16 x 32 tiles' 12.8 / 6.2, H1024
+        B32 17.1 against 22.9, H256 B128 5.7 against 7.6; GRU 8.9, 16.4, 5.4 against 11.9, 21.7,
+        7.2: ``scratch/rnn_gather.py``)."""
+        first = (16, 32, 32 if p.backward and p.elem == 4 else 64, 3 if p.elem < 4 else 2, False)
+        shapes = [first, (16, 16, 64, 3, False), (32, 16, 64, 3, False), (16, 32, 32, 3, False)]
+        shapes.append((32, 32, 64, 2, False))
+        if not p.backward and p.gates > 1:
+            shapes.insert(0, (16, 16, 64, 2, True))
         out: list[LaunchConfig] = []
-        for bb, bh, bk, stages in (first, (16, 16, 64, 3), (32, 16, 64, 3), (16, 32, 32, 3), (32, 32, 64, 2)):
+        for bb, bh, bk, stages, gather in shapes:
             bb, bh = min(bb, _block_b(p, 64)), min(bh, _pad(min(p.hidden, p.state)))
             groups = cdiv(p.batch, bb) * p.directions
             split = max(1, min(cdiv(p.hidden, bh), sm_count() // groups))
             bk = bk if p.elem <= 4 else 32  # fp64 tiles: half the reduction step, as the other engines
             cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk, "SPLIT": split,
                    "num_warps": 4, "num_stages": stages}  # fmt: skip
+            if gather:
+                if 4 * bh < 16:  # narrower than a product's narrowest tile
+                    continue
+                cfg["GATHER"] = True
             if cfg not in out:
                 out.append(cfg)
         return out

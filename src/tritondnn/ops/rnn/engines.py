@@ -308,13 +308,19 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
     bb, split = config["BLOCK_B"], config["SPLIT"]
     blocks = (bb, config["BLOCK_H"], config["BLOCK_P"], config["BLOCK_K"])
     consts = (*_flags(p), *dot_constexprs(p), *blocks, split, sync, ".cg" if sync else "")
+    owned = config.get("OWNED", False)
+    tiles = cdiv(p.hidden, config["BLOCK_H"])
     if not p.backward:
         consts = (*consts, config.get("GATHER", False))
-    kernel = K._backward_tiled_kernel if p.backward else K._forward_tiled_kernel
+    elif owned:  # the shares of up to 16 unit tiles added at once
+        consts = (*consts, min(16, triton.next_power_of_2(tiles)))
+    kernel = K._forward_tiled_kernel
+    if p.backward:
+        kernel = K._backward_owned_kernel if owned else K._backward_tiled_kernel
     groups = cdiv(p.batch, bb) * p.directions
     run = launcher(
-        kernel, (split, cdiv(p.batch, bb), p.directions), 18 if p.backward else 15, _ints(p), consts,
-        num_warps=config["num_warps"], num_stages=config.get("num_stages", 2),
+        kernel, (split, cdiv(p.batch, bb), p.directions), (19 if owned else 18) if p.backward else 15,
+        _ints(p), consts, num_warps=config["num_warps"], num_stages=config.get("num_stages", 2),
     )  # fmt: skip
 
     def counters(like: torch.Tensor) -> torch.Tensor:
@@ -324,8 +330,13 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
 
         def backward(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0) -> None:
             dhbuf, dcbuf = _grad_buffers(dhn, dcn, p)
+            extra = ()
+            if owned:  # the unit tiles' shares of the state gradient, by step parity; none before the first
+                shares = dy.new_empty((p.directions, 2, tiles, p.batch, p.state), dtype=dhbuf.dtype)
+                shares[:, 0].zero_()
+                extra = (shares,)
             run(dy, dhn, dcn, whh, whr, lens, sv, hbuf, cbuf, ht, da, dah, dhs, dh0, dc0, dhbuf, dcbuf,
-                counters(dy))  # fmt: skip
+                counters(dy), *extra)  # fmt: skip
 
         return backward
 

@@ -743,6 +743,120 @@ def _backward_tiled_kernel(
             tl.debug_barrier()
 
 
+@triton.jit
+def _state_gradient_sum(part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, H, P, NT, CACHE: tl.constexpr,
+                        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr):  # fmt: skip
+    """Columns j of the state gradient a step passes back: the owned kernel's partial products of
+    every unit tile (slot ``slot`` of part), added in tile order, plus what this program left
+    for its own columns in dhbuf (the gradient of sequences that have stopped, GRU's dh * z)."""
+    acc = tl.load(dhbuf_ptr + ((d * 2 + slot) * B + b[:, None]) * P + j[None, :], mask=hm, other=0.0)
+    for q0 in range(0, NT, BLOCK_Q):
+        q = q0 + tl.arange(0, BLOCK_Q)
+        rows = ((d * 2 + slot) * NT + q[:, None, None]) * B + b[None, :, None]
+        block = tl.load(
+            part_ptr + rows * P + j[None, None, :],
+            mask=(q < NT)[:, None, None] & hm[None, :, :],
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+        acc += tl.sum(block, axis=0)
+    return acc
+
+
+@triton.jit
+def _backward_owned_kernel(
+    dy_ptr, dhn_ptr, dcn_ptr, whh_ptr, whr_ptr, len_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, ht_ptr, da_ptr, dah_ptr,
+    dhs_ptr, dh0_ptr, dc0_ptr, dhbuf_ptr, dcbuf_ptr, sync_ptr, part_ptr,
+    T, B, H, P, NS,
+    CELL: tl.constexpr, NG: tl.constexpr, D: tl.constexpr, PROJ: tl.constexpr, HAS_LEN: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, SYNC: tl.constexpr, CACHE: tl.constexpr, BLOCK_Q: tl.constexpr,
+):  # fmt: skip
+    """The tiled backward of a gated cell without projection, one phase a step: a program owns
+    unit tiles; it computes their gate gradients, then right away their share of the state
+    gradient the previous step needs, ``da[:, tile's gates] @ W_hh[tile's gate rows, :]`` (one
+    product with the tile's gates gathered, its weight rows read by this program only, so they
+    stay in its cache), into its slot of ``part_ptr`` (D, 2, NT, B, P) fp32, NT = cdiv(H,
+    BLOCK_H), whose slot 0 is zeros. After the step's meeting, the next step's owners add the NT
+    shares of their columns in tile order (deterministic). The two-phase kernel instead has every
+    program read all of a step's gate gradients and a (4H x BLOCK_P) slice of the weights."""
+    part = tl.program_id(0)
+    d = tl.program_id(2)
+    b, b_mask = _batch(tl.program_id(1), B, BLOCK_B)
+    counter = sync_ptr + d * tl.num_programs(1) + tl.program_id(1)
+    n = _lengths(len_ptr, b, b_mask, T, HAS_LEN)
+    DT = da_ptr.dtype.element_ty
+    G = NG * H
+    NT = tl.cdiv(H, BLOCK_H)
+    r = tl.arange(0, 4 * BLOCK_H)  # gathered rows: gate r // BLOCK_H of unit r % BLOCK_H
+    arrived = 0
+    for s in range(T):
+        slot = s % 2
+        t = _time(s, d, T, True)
+        active = (t < n)[:, None]
+        row = (t * B + b) * D + d
+        for jt in range(part, NT, SPLIT):
+            j = jt * BLOCK_H + tl.arange(0, BLOCK_H)
+            hm = b_mask[:, None] & (j < H)[None, :]
+            own = ((d * 2 + slot) * B + b[:, None]) * P + j[None, :]
+            dh = _state_gradient_sum(part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, H, P, NT, CACHE,
+                                     BLOCK_B, BLOCK_H, BLOCK_Q)  # fmt: skip
+            tl.store(dhbuf_ptr + own, dh, mask=hm)
+            tl.debug_barrier()
+            _grad_gates_tile(
+                dy_ptr, whr_ptr, sv_ptr, hbuf_ptr, cbuf_ptr, da_ptr, dah_ptr, dhs_ptr, dc0_ptr, dhbuf_ptr,
+                dcbuf_ptr, s, jt, d, b, b_mask, n, T, B, H, P, NS,
+                CELL, NG, D, PROJ, ACC, PRECISION, UPCAST, BLOCK_B, BLOCK_H, BLOCK_K, "",
+            )  # fmt: skip
+            tl.debug_barrier()
+            # What passes to the previous step outside the product: a stopped sequence's whole
+            # gradient, GRU's dh * z.
+            dh += tl.where(
+                active, convert(tl.load(dy_ptr + row[:, None] * P + j[None, :], mask=hm, other=0.0), ACC), 0.0
+            )
+            rest = tl.where(active, 0.0, dh)
+            if CELL == 1:
+                z = tl.load(sv_ptr + row[:, None] * (4 * H) + H + j[None, :], mask=hm, other=0.0)
+                rest = tl.where(active, dh * convert(z, ACC), dh)
+            tl.store(dhbuf_ptr + ((d * 2 + 1 - slot) * B + b[:, None]) * P + j[None, :], rest, mask=hm)
+            # This tile's gate gradients, gathered (GRU: r, z and the hidden-side n), by its rows.
+            gate = r // BLOCK_H
+            unit = jt * BLOCK_H + r % BLOCK_H
+            used = (gate < NG) & (unit < H)
+            am = b_mask[:, None] & used[None, :]
+            if CELL == 1:
+                on_h = gate == 2
+                da = tl.load(
+                    da_ptr + row[:, None] * G + (gate * H + unit)[None, :],
+                    mask=am & ~on_h[None, :],
+                    other=0.0,
+                )
+                da += tl.load(dah_ptr + row[:, None] * H + unit[None, :], mask=am & on_h[None, :], other=0.0)
+            else:
+                da = tl.load(da_ptr + row[:, None] * G + (gate * H + unit)[None, :], mask=am, other=0.0)
+            out = ((d * 2 + 1 - slot) * NT + jt) * B + b
+            for p0 in range(0, P, BLOCK_P):
+                k = p0 + tl.arange(0, BLOCK_P)
+                w = tl.load(
+                    whh_ptr + (d * G + gate * H + unit)[:, None] * P + k[None, :],
+                    mask=used[:, None] & (k < P)[None, :],
+                    other=0.0,
+                )
+                share = dot(da, w, tl.zeros([BLOCK_B, BLOCK_P], ACC), PRECISION, UPCAST)
+                tl.store(
+                    part_ptr + out[:, None] * P + k[None, :], share, mask=b_mask[:, None] & (k < P)[None, :]
+                )
+        arrived += SPLIT
+        _phase_done(counter, arrived, SYNC)  # every share of the step is written before any is read
+    for jt in range(part, NT, SPLIT):
+        j = jt * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = b_mask[:, None] & (j < H)[None, :]
+        dh = _state_gradient_sum(part_ptr, dhbuf_ptr, T % 2, d, b, j, hm, B, H, P, NT, CACHE,
+                                 BLOCK_B, BLOCK_H, BLOCK_Q)  # fmt: skip
+        tl.store(dh0_ptr + (d * B + b[:, None]) * P + j[None, :], convert(dh, DT), mask=hm)
+
+
 # ---------------------------------------------------------------------------------------------
 # Step kernels: grid (tiles, batch blocks, directions), one launch per step (and phase). More
 # programs than the persistent kernels for a large H, at a launch per step.

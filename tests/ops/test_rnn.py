@@ -214,15 +214,19 @@ def test_spread_engine_gathered_gates(cell, options, unit, monkeypatch, poison):
            what=f"gathered {unit}")  # fmt: skip
 
 
-@pytest.mark.parametrize("unit", [8, 16])
+@pytest.mark.parametrize(
+    "unit, owned", [(8, True), (16, True), (16, False)], ids=["owned-8", "owned-16", "two-phase"]
+)
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("lengths", [None, [2, 5, 3]], ids=["full", "lengths"])
-def test_spread_engine_owned_backward(cell, unit, lengths, monkeypatch, poison):
-    """The spread engine's one-phase backward (``OWNED``): a program's unit tiles pass their share
-    of the state gradient, ``da @ W_hh`` over the tiles' gathered gate rows, through a buffer the
-    next step's owners add up; bidirectional, H = 20 in tiles of 8 (three shares, the last one
-    partial) or 16, sequences of their own lengths (stopped ones pass their gradient on as is)."""
-    cfg = {"BLOCK_B": 16, "BLOCK_H": unit, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "OWNED": True,
+def test_spread_engine_backward_kernels(cell, unit, owned, lengths, monkeypatch, poison):
+    """The spread engine's two backward kernels for a gated cell without projection: one phase a
+    step (``OWNED``, the fp32 default: a program's unit tiles pass their share of the state
+    gradient, ``da @ W_hh`` over the tiles' gathered gate rows, through a buffer the next step's
+    owners add up; tiles of 8, three shares, the last one partial, or 16) and two (the 16-bit
+    default); bidirectional, H = 20, sequences of their own lengths (stopped ones pass their
+    gradient on as is)."""
+    cfg = {"BLOCK_B": 16, "BLOCK_H": unit, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "OWNED": owned,
            "num_warps": 4}  # fmt: skip
     real = R.engines.PersistentSpreadEngine.configs
     monkeypatch.setattr(
@@ -232,8 +236,8 @@ def test_spread_engine_owned_backward(cell, unit, lengths, monkeypatch, poison):
     m = _module(cell, 3, 20, bidirectional=True)
     x = torch.randn(5, 3, 3)
     kw = {} if lengths is None else dict(lengths=torch.tensor(lengths), enforce_sorted=False)
-    _check(cell, m, x, _states(cell, m, 3, torch.float32), algo="persistent-spread", what=f"owned {unit}",
-           **kw)  # fmt: skip
+    hx = _states(cell, m, 3, torch.float32)
+    _check(cell, m, x, hx, algo="persistent-spread", what=f"owned {owned} {unit}", **kw)
 
 
 @pytest.mark.parametrize("algo", ENGINES)

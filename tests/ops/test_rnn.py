@@ -176,23 +176,29 @@ _SHARED = pytest.mark.gpu_only("on the CPU every multiprocessor count runs one p
 @pytest.mark.parametrize("sms", [pytest.param(4, marks=_SHARED), pytest.param(6, marks=_SHARED), 132])
 @pytest.mark.parametrize(
     "cell, options",
-    [("lstm", dict(proj_size=9, bidirectional=True)), ("gru", dict(bidirectional=True))],
-    ids=["lstm-proj-bidir", "gru-bidir"],
+    [
+        ("lstm", dict(proj_size=9, bidirectional=True)),
+        ("lstm", dict(bidirectional=True)),
+        ("gru", dict(bidirectional=True)),
+    ],
+    ids=["lstm-proj-bidir", "lstm-bidir", "gru-bidir"],
 )
 def test_spread_engine_shares_tiles(cell, options, sms, monkeypatch, poison):
     """The spread engine's programs of a batch block and direction share its hidden tiles: with
     2 groups (directions) and 4, 6 or 132 multiprocessors, 2, 3 or all 7 programs a group split
     H = 100's 7 tiles of 16 (a program taking two where they outnumber the programs), meeting on
-    counters after each phase. On the CPU one program a group runs them all (the interpreter
-    runs programs one after another)."""
+    counters after each phase; the unprojected cells' backward in one phase (``OWNED``) even with
+    fewer programs than tiles, where it does not come first. On the CPU one program a group runs
+    them all (the interpreter runs programs one after another)."""
     monkeypatch.setattr(R.engines, "sm_count", lambda: sms)
+    monkeypatch.setattr(R.engines, "_owned_first", lambda p: R.engines._owned(p) and p.dtype == "float32")
     monkeypatch.setattr(R, "_plans", {})
     m = _module(cell, 6, 100, **options)
     _check(cell, m, torch.randn(4, 5, 6), _states(cell, m, 5, torch.float32), algo="persistent-spread",
            what=f"{sms} multiprocessors")  # fmt: skip
 
 
-@pytest.mark.parametrize("unit", [4, 8])
+@pytest.mark.parametrize("unit", [4, 8, 16])
 @pytest.mark.parametrize(
     "cell, options",
     [("lstm", dict(bidirectional=True)), ("lstm", dict(proj_size=9)), ("gru", dict(bidirectional=True))],
@@ -200,8 +206,8 @@ def test_spread_engine_shares_tiles(cell, options, sms, monkeypatch, poison):
 )
 def test_spread_engine_gathered_gates(cell, options, unit, monkeypatch, poison):
     """The spread engine's forward with the gates of ``unit`` hidden units gathered into one
-    product (``GATHER``; a GRU's fourth gate zeros): H = 20 in tiles of 4 or 8, the last one
-    partial; the backward as before."""
+    product (``GATHER``; a GRU's fourth gate zeros): H = 20 in tiles of 4, 8 or 16 (the GPU's),
+    the last one partial; the backward as before."""
     cfg = {"BLOCK_B": 16, "BLOCK_H": unit, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "GATHER": True,
            "num_warps": 4}  # fmt: skip
     real = R.engines.PersistentSpreadEngine.configs

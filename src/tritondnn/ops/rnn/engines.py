@@ -347,15 +347,32 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
     return forward
 
 
-def _owned_first(p: RNNProblem) -> bool | None:
-    """Whether the spread engine's one-phase backward (``OWNED``: gated cells without projection)
-    comes first: in fp32, where it ran 1.6-1.9x faster a step than the two-phase kernel (H200:
-    LSTM H512 B64 10.9 against 20.2 us, H1024 B32 20.6 against 37.8, H256 B128 6.8 against 11.3;
-    GRU H512 10.9 against 17.8, H1024 19.8 against 33.3: ``scratch/rnn_owned.py``), not in bf16
-    (7.5 against 6.8); None where it does not apply."""
-    if not p.backward or p.gates == 1 or p.proj:
-        return None
-    return p.dtype == "float32"
+def _owned(p: RNNProblem) -> bool:
+    """Whether the spread engine's one-phase backward (``OWNED``) applies: gated cells without
+    projection."""
+    return p.backward and p.gates > 1 and not p.proj
+
+
+# The one-phase backward's shares of a step's state gradient (fp32, D x tiles x B x P) that it
+# comes first up to: the measured shapes' 2-8 MB stay in L2; past it each step streams them.
+_OWNED_SHARES_BYTES = 32 << 20
+
+
+def _owned_first(p: RNNProblem) -> bool:
+    """Whether the one-phase backward comes first: in fp32, where it ran 1.6-1.9x faster a step
+    than the two-phase kernel (H200: LSTM H512 B64 10.9 against 20.2 us, H1024 B32 20.6 against
+    37.8, H256 B128 6.8 against 11.3; GRU H512 10.9 against 17.8, H1024 19.8 against 33.3:
+    ``scratch/rnn_owned.py``; not in bf16: 7.5 against 6.8), where, as there, each program owns
+    one tile of 16 units and the shares stay in L2. With fewer programs than tiles a program adds
+    up every tile's shares for each of its own, and the shares grow as B * H^2: there it is the
+    second config (autotuning times it)."""
+    if not _owned(p) or p.dtype != "float32":
+        return False
+    bb = min(16, _block_b(p, 64))
+    tiles = cdiv(p.hidden, 16)
+    groups = cdiv(p.batch, bb) * p.directions
+    shares = p.directions * tiles * p.batch * p.state * 4
+    return sm_count() // groups >= tiles and shares <= _OWNED_SHARES_BYTES
 
 
 @FAMILY.register
@@ -389,8 +406,10 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
     def configs(self, p: RNNProblem) -> list[LaunchConfig]:
         if INTERPRET:  # programs run one after another there: one program per group
             cfg = {"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "num_warps": 4}
-            if _owned_first(p):  # the kernel the GPU runs first
-                cfg["OWNED"] = True
+            if _owned(p) and p.dtype == "float32":  # the kernels the GPU runs first at the
+                cfg["OWNED"] = True  # measured sizes: one-phase fp32 backward, gathered forward
+            elif not p.backward and p.gates > 1:
+                cfg["GATHER"] = True
             return [cfg]
         return self._shapes(p)
 
@@ -411,7 +430,7 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         shapes.append((32, 32, 64, 2, False))
         if not p.backward and p.gates > 1:
             shapes.insert(0, (16, 16, 64, 2, True))
-        if _owned_first(p) is not None:  # the one-phase backward, first where it was measured faster
+        if _owned(p):  # the one-phase backward, first where it was measured faster
             shapes.insert(0 if _owned_first(p) else 1, (16, 16, 128, 2, True))
         out: list[LaunchConfig] = []
         for bb, bh, bk, stages, gather in shapes:
@@ -422,8 +441,6 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
             cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk, "SPLIT": split,
                    "num_warps": 4, "num_stages": stages}  # fmt: skip
             if gather:  # forward: gathered gates; backward: owned tiles, 128-wide shares
-                if 4 * bh < 16:  # narrower than a product's narrowest tile
-                    continue
                 if p.backward:
                     cfg.update(BLOCK_P=min(128, _pad(p.state)), BLOCK_K=32, OWNED=True)
                 else:

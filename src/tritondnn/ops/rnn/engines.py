@@ -347,6 +347,12 @@ def _bind_tiled(p: RNNProblem, config: LaunchConfig, sync: bool) -> Callable[...
     return forward
 
 
+def _gathered(p: RNNProblem) -> bool:
+    """Whether the spread engine's forward gathers a tile's gates into one product first: gated
+    cells in the dtypes it was measured in (fp32, bf16; fp16 as bf16)."""
+    return not p.backward and p.gates > 1 and p.elem <= 4
+
+
 def _owned(p: RNNProblem) -> bool:
     """Whether the spread engine's one-phase backward (``OWNED``) applies: gated cells without
     projection."""
@@ -405,10 +411,12 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
 
     def configs(self, p: RNNProblem) -> list[LaunchConfig]:
         if INTERPRET:  # programs run one after another there: one program per group
+            # The kernels the GPU runs first at the measured sizes: gated cells' forward with
+            # gathered gates, their fp32 backward in one phase.
             cfg = {"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_P": 16, "BLOCK_K": 16, "SPLIT": 1, "num_warps": 4}
-            if _owned(p) and p.dtype == "float32":  # the kernels the GPU runs first at the
-                cfg["OWNED"] = True  # measured sizes: one-phase fp32 backward, gathered forward
-            elif not p.backward and p.gates > 1:
+            if _owned(p) and p.dtype == "float32":
+                cfg["OWNED"] = True
+            elif _gathered(p):
                 cfg["GATHER"] = True
             return [cfg]
         return self._shapes(p)
@@ -420,31 +428,27 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         every shape swept (H100: LSTM H512 B64 and H1024 B32/B64, bf16 and fp32, forward and
         backward): 16 batch rows by 32 hidden units, 64-wide reduction steps (32 for the fp32
         backward: 5.16 / 4.79 ms against 5.63 / 5.17), 3 stages in 16 bits.
-        A gated cell's forward first gathers its gates (``GATHER``): 16 rows by 16 units, one
-        64-wide product where four 16-wide ones ran half as fast (H200, one layer's forward, us a
-        step, fp32 / bf16: LSTM H512 B64 9.3 / 5.0 against the 16 x 32 tiles' 12.8 / 6.2, H1024
-        B32 17.1 against 22.9, H256 B128 5.7 against 7.6; GRU 8.9, 16.4, 5.4 against 11.9, 21.7,
-        7.2: ``scratch/rnn_gather.py``)."""
-        first = (16, 32, 32 if p.backward and p.elem == 4 else 64, 3 if p.elem < 4 else 2, False)
-        shapes = [first, (16, 16, 64, 3, False), (32, 16, 64, 3, False), (16, 32, 32, 3, False)]
-        shapes.append((32, 32, 64, 2, False))
-        if not p.backward and p.gates > 1:
-            shapes.insert(0, (16, 16, 64, 2, True))
-        if _owned(p):  # the one-phase backward, first where it was measured faster
-            shapes.insert(0 if _owned_first(p) else 1, (16, 16, 128, 2, True))
+        A gated cell's forward first gathers its gates (``GATHER``, where ``_gathered``): 16 rows
+        by 16 units, one 64-wide product where four 16-wide ones ran half as fast (H200, one
+        layer's forward, us a step, fp32 / bf16: LSTM H512 B64 9.3 / 5.0 against the 16 x 32
+        tiles' 12.8 / 6.2, H1024 B32 17.1 against 22.9, H256 B128 5.7 against 7.6; GRU 8.9, 16.4,
+        5.4 against 11.9, 21.7, 7.2: ``scratch/rnn_gather.py``). Its backward: ``_owned_first``."""
+        first = (16, 32, 32 if p.backward and p.elem == 4 else 64, 3 if p.elem < 4 else 2, {})
+        others = ((16, 16, 64, 3), (32, 16, 64, 3), (16, 32, 32, 3), (32, 32, 64, 2))
+        shapes = [first, *((*shape, {}) for shape in others)]
+        if _gathered(p):
+            shapes.insert(0, (16, 16, 64, 2, {"GATHER": True}))
+        if _owned(p):  # the one-phase backward (128-wide shares), first where it was measured faster
+            owned = (16, 16, 32, 2, {"OWNED": True, "BLOCK_P": min(128, _pad(p.state))})
+            shapes.insert(0 if _owned_first(p) else 1, owned)
         out: list[LaunchConfig] = []
-        for bb, bh, bk, stages, gather in shapes:
+        for bb, bh, bk, stages, kernel_flags in shapes:
             bb, bh = min(bb, _block_b(p, 64)), min(bh, _pad(min(p.hidden, p.state)))
             groups = cdiv(p.batch, bb) * p.directions
             split = max(1, min(cdiv(p.hidden, bh), sm_count() // groups))
             bk = bk if p.elem <= 4 else 32  # fp64 tiles: half the reduction step, as the other engines
             cfg = {"BLOCK_B": bb, "BLOCK_H": bh, "BLOCK_P": bh, "BLOCK_K": bk, "SPLIT": split,
-                   "num_warps": 4, "num_stages": stages}  # fmt: skip
-            if gather:  # forward: gathered gates; backward: owned tiles, 128-wide shares
-                if p.backward:
-                    cfg.update(BLOCK_P=min(128, _pad(p.state)), BLOCK_K=32, OWNED=True)
-                else:
-                    cfg["GATHER"] = True
+                   "num_warps": 4, "num_stages": stages, **kernel_flags}  # fmt: skip
             if cfg not in out:
                 out.append(cfg)
         return out

@@ -745,8 +745,9 @@ def _backward_tiled_kernel(
 
 
 @triton.jit
-def _state_gradient_sum(part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, H, P, NT, CACHE: tl.constexpr,
-                        BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr):  # fmt: skip
+def _state_gradient_sum(
+    part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, P, NT, CACHE: tl.constexpr, BLOCK_Q: tl.constexpr
+):
     """Columns j of the state gradient a step passes back: the owned kernel's partial products of
     every unit tile (slot ``slot`` of part), added in tile order, plus what this program left
     for its own columns in dhbuf (the gradient of sequences that have stopped, GRU's dh * z)."""
@@ -801,8 +802,7 @@ def _backward_owned_kernel(
             j = jt * BLOCK_H + tl.arange(0, BLOCK_H)
             hm = b_mask[:, None] & (j < H)[None, :]
             own = ((d * 2 + slot) * B + b[:, None]) * P + j[None, :]
-            dh = _state_gradient_sum(part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, H, P, NT, CACHE,
-                                     BLOCK_B, BLOCK_H, BLOCK_Q)  # fmt: skip
+            dh = _state_gradient_sum(part_ptr, dhbuf_ptr, slot, d, b, j, hm, B, P, NT, CACHE, BLOCK_Q)
             tl.store(dhbuf_ptr + own, dh, mask=hm)
             tl.debug_barrier()
             _grad_gates_tile(
@@ -853,8 +853,7 @@ def _backward_owned_kernel(
     for jt in range(part, NT, SPLIT):
         j = jt * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = b_mask[:, None] & (j < H)[None, :]
-        dh = _state_gradient_sum(part_ptr, dhbuf_ptr, T % 2, d, b, j, hm, B, H, P, NT, CACHE,
-                                 BLOCK_B, BLOCK_H, BLOCK_Q)  # fmt: skip
+        dh = _state_gradient_sum(part_ptr, dhbuf_ptr, T % 2, d, b, j, hm, B, P, NT, CACHE, BLOCK_Q)
         tl.store(dh0_ptr + (d * B + b[:, None]) * P + j[None, :], convert(dh, DT), mask=hm)
 
 

@@ -13,6 +13,7 @@ case name (``[engine]``). The full run adds each ResNet-50 layer's forward in be
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -74,7 +75,7 @@ def _conv_cases(label: str, x: torch.Tensor, w: torch.Tensor, stride, padding, g
     )
     yield _gradient_case(name, x, w, dy, stride, padding, groups, flops)
     if tuned and layout == "NHWC":
-        yield _deterministic_gradient_case(name, x, w, dy, stride, padding, groups, flops)
+        yield _gradient_case(name, x, w, dy, stride, padding, groups, flops, deterministic=True)
     if tuned and layout == "NHWC" and stride == 1 and w.shape[-1] > 1:
         yield from _wgrad_engine_cases(name, x, w, dy, padding, groups, flops)
 
@@ -111,42 +112,35 @@ def _tuned_case(name: str, ours: Callable, ref: Callable, x: torch.Tensor, w: to
 
 
 def _gradient_case(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride, padding, groups,
-                    flops: int) -> Case:  # fmt: skip
+                    flops: int, deterministic: bool = False) -> Case:  # fmt: skip
     """The data and the weight gradient as standalone calls (what the issue compares with cuDNN's
     dgrad + wgrad): no forward and no autograd node, whose host time can exceed a small layer's
-    kernels."""
+    kernels. ``deterministic``: ours and cuDNN's in deterministic mode (the issue asks for ours
+    within 1.5x of the plain row)."""
     nd = x.ndim - 2
     grad_in = getattr(torch.nn.grad, f"conv{nd}d_input")
     grad_w = getattr(torch.nn.grad, f"conv{nd}d_weight")
     geometry = (stride, padding, 1, groups)
-
-    def ours() -> tuple:
-        return (
-            conv.conv_backward_data(dy, w, x.shape, *geometry),
-            conv.conv_backward_weight(x, dy, w.shape, *geometry),
+    our_mode, cudnn_mode = contextlib.nullcontext, contextlib.nullcontext
+    if deterministic:
+        our_mode = partial(config.flags, deterministic=True)
+        cudnn_mode = partial(
+            torch.backends.cudnn.flags, enabled=True, benchmark=True, deterministic=True, allow_tf32=False
         )
 
-    def cudnn() -> tuple:
-        return grad_in(x.shape, w, dy, *geometry), grad_w(x, w.shape, dy, *geometry)
-
-    return Case(f"{name} dgrad+wgrad", providers(tritondnn=ours, torch=cudnn), flops=2 * flops)
-
-
-def _deterministic_gradient_case(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, stride,
-                                 padding, groups, flops: int) -> Case:  # fmt: skip
-    """``_gradient_case`` in deterministic mode, cuDNN's too (``torch.backends.cudnn.deterministic``):
-    the issue asks for it within 1.5x of the row above."""
-    plain = _gradient_case(name, x, w, dy, stride, padding, groups, flops).providers
-
     def ours() -> tuple:
-        with config.flags(deterministic=True):
-            return plain["tritondnn"]()
+        with our_mode():
+            return (
+                conv.conv_backward_data(dy, w, x.shape, *geometry),
+                conv.conv_backward_weight(x, dy, w.shape, *geometry),
+            )
 
     def cudnn() -> tuple:
-        with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=True, allow_tf32=False):
-            return plain["torch"]()
+        with cudnn_mode():
+            return grad_in(x.shape, w, dy, *geometry), grad_w(x, w.shape, dy, *geometry)
 
-    return Case(f"{name} dgrad+wgrad deterministic", providers(tritondnn=ours, torch=cudnn), flops=2 * flops)
+    label = f"{name} dgrad+wgrad" + (" deterministic" if deterministic else "")
+    return Case(label, providers(tritondnn=ours, torch=cudnn), flops=2 * flops)
 
 
 def _grads_only(fn: Callable, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:

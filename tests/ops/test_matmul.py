@@ -891,6 +891,30 @@ def test_allow_tf32_is_part_of_the_problem():
     assert not mm.FAMILY.describe(a.half(), b.half()).tf32
 
 
+def test_tf32x3_products_keep_fp32_accuracy():
+    """The op's ``tf32x3``: fp32 products as three TF32 products (the recurrent networks' GEMMs),
+    where TF32 is not allowed; allow_tf32 takes one TF32 product. Accuracy near fp32's (the
+    tail x tail term dropped: about 2^-21 of each product), against fp64, on the GPU too."""
+    a, b = randn(70, 300), randn(300, 50)
+    ref = a.double() @ b.double()
+    lay = lambda: mm_engines.layout(
+        a, b, None, None, None, out_dtype=a.dtype, bias_kind=0, activation=-1, store_pre=False,
+        scaled=False, amax=False, tf32x3=True,
+    ).problem  # fmt: skip
+    p = lay()
+    assert p.tf32 and p.tf32x3 and mm_engines._dot_constexprs(p)[1] == "tf32x3"
+    out = mm.library._forward(a, b, None, None, None, None, None, 1.0, 0.0, 0, -1, 0.0, 0.0, False, False,
+                              a.dtype, False, True)[0]  # fmt: skip
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    with tdnn.config.flags(allow_tf32=True):
+        p = lay()
+        assert p.tf32 and not p.tf32x3 and mm_engines._dot_constexprs(p)[1] == "tf32"
+    assert not mm_engines.layout(
+        a.half(), b.half(), None, None, None, out_dtype=torch.half, bias_kind=0, activation=-1,
+        store_pre=False, scaled=False, amax=False, tf32x3=True,
+    ).problem.tf32x3  # fmt: skip
+
+
 def test_benchmark_mode_times_and_caches(cache_dir):
     a, b = randn(16, 300), randn(300, 20)
     with tdnn.config.flags(benchmark=True):

@@ -398,8 +398,8 @@ def test_bf16(cell, algo):
 def test_autocast_as_torch(cell, packed):
     """Under autocast, the output dtype is torch's (CUDA: fp16, as cuDNN's RNNs, for padded and
     packed input alike; CPU: an LSTM in the autocast dtype, GRU and RNN in fp32), and the
-    recurrence never sees mixed dtypes (the input projection cast by ``linear``'s own policy, the
-    recurrent weights not). Torch's CPU autocast casts ``lstm.input`` but not ``lstm.data`` (a
+    recurrence never sees mixed dtypes (an input projection cast by autocast, the recurrent
+    weights not). Torch's CPU autocast casts ``lstm.input`` but not ``lstm.data`` (a
     packed input stays fp32), and so does ours."""
     m = _module(cell, 3, 5).float().to(DEVICE)
     x = torch.randn(4, 2, 3, device=DEVICE)
@@ -413,6 +413,24 @@ def test_autocast_as_torch(cell, packed):
     for a, b, c in zip(ours, theirs, full):
         assert a.dtype == b.dtype, (a.dtype, b.dtype)
         assert (a.float() - c).abs().max() < 0.05
+
+
+def test_traces_in_one_graph():
+    """torch.compile(fullgraph=True) of a two-layer bidirectional LSTM, forward and backward
+    (aot_eager: the ops' fake shapes, then the real ops): no graph break from the input
+    projection's or the recurrence's autograd; results as eager."""
+    torch._dynamo.reset()
+    m = _module("lstm", 3, 5, num_layers=2, bidirectional=True).float().to(DEVICE)
+    x = torch.randn(4, 2, 3, device=DEVICE)
+    runs = []
+    for compiled in (False, True):
+        ws = [w.detach().clone().requires_grad_() for w in m._flat_weights]
+        f = lambda x, ws: R.lstm(x, None, ws, num_layers=2, bidirectional=True)[0]
+        y = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(x, ws)
+        y.square().sum().backward()
+        runs.append([y, *(w.grad for w in ws)])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

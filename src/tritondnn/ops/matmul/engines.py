@@ -55,7 +55,10 @@ class MatmulProblem(Problem):
     strides are ``Strides`` per tensor. ``dtypes``: A, B, out. ``c_strides``/``residual_strides``
     are None when that input is absent; ``bias``: 0 none, 1 per column, 2 per row;
     ``activation``: an ``Activation`` value or -1. ``scaled``: fp8 with per-tensor scales.
-    ``tf32``: fp32 products may use TF32 (``config.allow_tf32``). ``fast_accum``: fp8 products
+    ``tf32``: fp32 products run on the TF32 tensor cores: one TF32 product each where
+    ``config.allow_tf32``, three where ``tf32x3`` (each operand split into a TF32 head and tail,
+    the tail x tail term dropped: about fp32's accuracy; the recurrent networks' products ask for
+    it, as their recurrence runs so). ``fast_accum``: fp8 products
     accumulate in the tensor cores' own precision over the whole K loop.
     """
 
@@ -79,6 +82,7 @@ class MatmulProblem(Problem):
     tf32: bool
     index_64: bool
     fast_accum: bool = False
+    tf32x3: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -159,8 +163,10 @@ def layout(
     scaled: bool,
     amax: bool,
     fast_accum: bool = False,
+    tf32x3: bool = False,
 ) -> Layout:
-    """The problem the call poses (see the module docstring for what the tensors must be)."""
+    """The problem the call poses (see the module docstring for what the tensors must be);
+    ``tf32x3``: fp32 products as three TF32 products where TF32 is not allowed."""
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch_shape, tensors = _strides(a, b, c, residual)
@@ -209,9 +215,10 @@ def layout(
         store_pre=store_pre,
         scaled=scaled,
         amax=amax,
-        tf32=config.allow_tf32 and a.dtype == torch.float32,
+        tf32=(config.allow_tf32 or tf32x3) and a.dtype == torch.float32,
         index_64=max(reach + 1, math.prod(out_shape)) > 2**31 - 1,
         fast_accum=fast_accum,
+        tf32x3=tf32x3 and not config.allow_tf32 and a.dtype == torch.float32,
     )
     return Layout(problem, out_shape, swapped)
 
@@ -251,7 +258,7 @@ _BANDWIDTH = 3.0
 
 
 def _peak(p: MatmulProblem) -> float:
-    return _TF32_PEAK if p.tf32 else _PEAK[p.dtypes[0]]
+    return (_TF32_PEAK / 3 if p.tf32x3 else _TF32_PEAK) if p.tf32 else _PEAK[p.dtypes[0]]
 
 
 def _roofline(p: MatmulProblem, compute_eff: float, bandwidth_eff: float, extra_bytes: int = 0) -> float:
@@ -289,8 +296,9 @@ def _epilogue_strides(p: MatmulProblem) -> tuple[int, ...]:
 def _dot_constexprs(p: MatmulProblem) -> tuple:
     """ACC, PRECISION, UPCAST."""
     acc = tl.float64 if p.dtypes[0] == "float64" else tl.float32
-    # "tf32" and "ieee" for fp32 operands (tl.dot's input_precision); "fast" for fp8 is ``dot``'s.
-    precision = "tf32" if p.tf32 else "fast" if p.fast_accum else "ieee"
+    # "tf32", "tf32x3" and "ieee" for fp32 operands (tl.dot's input_precision); "fast" for fp8 is
+    # ``dot``'s.
+    precision = ("tf32x3" if p.tf32x3 else "tf32") if p.tf32 else "fast" if p.fast_accum else "ieee"
     return acc, precision, INTERPRET and p.dtypes[0] == "bfloat16"
 
 

@@ -20,7 +20,7 @@ def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
 
 
 def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-                  store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
+                  store_pre, amax, out_dtype, fast_accum=False, tf32x3=False):  # fmt: skip
     shape = _out_shape(a, b)
     return (
         a.new_empty(shape, dtype=out_dtype),
@@ -35,16 +35,17 @@ def _fake_forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_k
     "matmul",
     "(Tensor a, Tensor b, Tensor? c, Tensor? bias, Tensor? residual, Tensor? scale_a, Tensor? scale_b, "
     "float alpha, float beta, int bias_kind, int activation, float p0, float p1, bool store_pre, bool amax, "
-    "ScalarType out_dtype, bool fast_accum=False) -> (Tensor, Tensor, Tensor)",
+    "ScalarType out_dtype, bool fast_accum=False, bool tf32x3=False) -> (Tensor, Tensor, Tensor)",
     _fake_forward,
 )
 def _forward(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, bias_kind, activation, p0, p1,
-             store_pre, amax, out_dtype, fast_accum=False):  # fmt: skip
+             store_pre, amax, out_dtype, fast_accum=False, tf32x3=False):  # fmt: skip
     """The product and its epilogue (see ``matmul``); absent pre-activation and amax come back as
-    empty tensors (an op returns tensors only)."""
+    empty tensors (an op returns tensors only). ``tf32x3``: fp32 products as three TF32 products
+    (see ``engines.MatmulProblem``)."""
     run = forward_plan(
         a, b, c, bias, residual, scale_a is not None, out_dtype, bias_kind, activation, store_pre, amax,
-        fast_accum,
+        fast_accum, tf32x3,
     )  # fmt: skip
     out, pre, am = run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1)
     return (

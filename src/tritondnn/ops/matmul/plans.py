@@ -40,6 +40,7 @@ def forward_plan(
     store_pre: bool,
     amax: bool,
     fast_accum: bool = False,
+    tf32x3: bool = False,
 ) -> Callable[..., tuple]:
     """The plan for a matmul call on these tensors (as ``engines.layout`` takes them):
     ``run(a, b, c, bias, residual, scale_a, scale_b, alpha, beta, p0, p1, shape) -> (out, pre, amax)``,
@@ -60,6 +61,7 @@ def forward_plan(
         amax,
         scaled,
         fast_accum,
+        tf32x3,
         signature(c),
         signature(bias),
         signature(residual),
@@ -79,6 +81,7 @@ def forward_plan(
             scaled=scaled,
             amax=amax,
             fast_accum=fast_accum,
+            tf32x3=tf32x3,
         )
         found = _plans[key] = _forward_run(lay.problem, lay.out_shape, lay.swapped, (a, b, c, bias, residual))
     return found

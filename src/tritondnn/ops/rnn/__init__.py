@@ -3,9 +3,9 @@ multi-layer, bidirectional, over padded or packed variable-length batches, forwa
 
 Each layer runs in three parts:
 
-1. the input projection of every step and both directions as one GEMM (``ops.matmul.linear``
-   on ``(T * B, I) x (D * G, I)^T``), which autograd differentiates into the input gradient and
-   the W_ih / b_ih gradients, themselves GEMMs over all steps;
+1. the input projection of every step and both directions as one GEMM (the matmul op on
+   ``(T * B, I) x (D * G, I)^T``), differentiated into the input gradient and the W_ih / b_ih
+   gradients, themselves GEMMs over all steps;
 2. the recurrence, a custom op with a Triton kernel per engine (``engines``): the gate
    products with W_hh, the gate nonlinearities, the cell update, the projection and the length
    masking fused, step after step;
@@ -33,7 +33,7 @@ from ...core.config import config
 from ...core.library import custom_op
 from ..dropout import counters_used
 from ..dropout import dropout as _dropout
-from ..matmul import linear, matmul
+from ..matmul.library import _forward as _matmul
 from .engines import FAMILY, RNNProblem
 from .reference import GATES, rnn_reference, split_weights, weights_per_layer
 
@@ -152,6 +152,37 @@ def _backward(dy, dhn, dcn, whh, whr, lengths, sv, hbuf, cbuf, ht, cell, algo):
     return out
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (plus ``bias`` per column) through the matmul op; fp32 without TF32 as three TF32
+    products, the precision the recurrence runs in (``engines.dot_constexprs``), where Triton's
+    fp32 "ieee" product runs on the FMA units: H200, LSTM T128 B32 H1024's input projection
+    (4096 x 4096 x 1024) took a quarter of the forward at 46 TFLOP/s."""
+    kind = 0 if bias is None else 1
+    return _matmul(a, b, None, bias, None, None, None, 1.0, 0.0, kind, -1, 0.0, 0.0, False, False, a.dtype,
+                   False, True)[0]  # fmt: skip
+
+
+class _InputProjection(torch.autograd.Function):
+    """``x @ w^T + b``: every step's and direction's gate inputs, (T * B, I) x (D * G, I)^T; the
+    gradients as GEMMs over all steps (no double backward, as the recurrence)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _product(x, w.t(), b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx = _product(grad, w) if need[0] else None
+        dw = _product(grad.t(), x) if need[1] else None
+        db = grad.sum(0, dtype=_acc(grad.dtype)).to(grad.dtype) if ctx.has_bias and need[2] else None
+        return dx, dw, db
+
+
 def _hidden_weight_grads(da, dah, hbuf, cell):
     """(dW_hh, db_hh): the gate gradients of every step against the state each step read, one
     batched GEMM over directions with all T * B rows as the reduction."""
@@ -162,7 +193,7 @@ def _hidden_weight_grads(da, dah, hbuf, cell):
     hprev = hbuf.as_strided((D, T * B, P), ((T + 2) * B * P, P, 1))
     a = da.view(T * B, D, G)
     parts = [a[:, :, : 2 * H], dah.view(T * B, D, H)] if cell == "gru" else [a]
-    dw = torch.cat([matmul(q.permute(1, 2, 0), hprev) for q in parts], dim=1)
+    dw = torch.cat([_product(q.permute(1, 2, 0), hprev) for q in parts], dim=1)
     db = torch.cat([q.sum(0, dtype=_acc(da.dtype)) for q in parts], dim=1).to(da.dtype)
     return dw, db
 
@@ -195,7 +226,7 @@ class _RecurrenceFunction(torch.autograd.Function):
             dwhh, dbhh = _hidden_weight_grads(da, dah, hbuf, cell)
         if whr is not None and need[3]:
             T, B, D, P = dhs.shape
-            dwhr = matmul(dhs.view(T * B, D, P).permute(1, 2, 0), ht.view(T * B, D, -1).permute(1, 0, 2))
+            dwhr = _product(dhs.view(T * B, D, P).permute(1, 2, 0), ht.view(T * B, D, -1).permute(1, 0, 2))
         return (
             da,
             dwhh if need[1] else None,
@@ -360,7 +391,7 @@ def _unpack(data: torch.Tensor, batch_sizes: torch.Tensor):
 def _run(op, cell, input, hx, weights, *args):
     """The network with autocast off inside. Autocast still on here means the public function's
     policy left this device type alone (CPU GRU and RNN, which torch runs in fp32): left on, it
-    would cast the input projection (``linear``) but not the recurrent weights, and the kernels
+    could cast the input projection but not the recurrent weights, and the kernels
     would get mixed dtypes (and a launcher cached for them)."""
     data = input.data if isinstance(input, PackedSequence) else input
     device_type = data.device.type if isinstance(data, torch.Tensor) else None
@@ -487,7 +518,8 @@ def _layers(cell, x, h0, c0, weights, bias, num_layers, dropout, training, direc
 
         w_ih = parts[0][0] if directions == 1 else torch.cat([q[0] for q in parts])
         b_ih = None if not bias else parts[0][2] if directions == 1 else torch.cat([q[2] for q in parts])
-        xp = linear(layer_in.reshape(steps * batch, -1), w_ih, b_ih).view(steps, batch, directions, -1)
+        xp = _InputProjection.apply(layer_in.reshape(steps * batch, -1), w_ih, b_ih)
+        xp = xp.view(steps, batch, directions, -1)
         rows = slice(layer * directions, (layer + 1) * directions)
         y, hn, cn = _recurrence(
             xp, stacked(1), stacked(3) if bias else None, stacked(4) if proj_size else None,

@@ -434,12 +434,16 @@ class PersistentSpreadEngine(Engine[RNNProblem]):
         by 16 units, one 64-wide product where four 16-wide ones ran half as fast (H200, one
         layer's forward, us a step, fp32 / bf16: LSTM H512 B64 9.3 / 5.0 against the 16 x 32
         tiles' 12.8 / 6.2, H1024 B32 17.1 against 22.9, H256 B128 5.7 against 7.6; GRU 8.9, 16.4,
-        5.4 against 11.9, 21.7, 7.2: ``scratch/rnn_gather.py``). Its backward: ``_owned_first``."""
+        5.4 against 11.9, 21.7, 7.2: ``scratch/rnn_gather.py``), over three stages, reduction
+        steps of 64 (fp32) or 128 (16 bits), where two stages of 64 had been taken (us a step:
+        LSTM fp32 H1024 B32 14.3 against 16.2, H512 B64 8.4 against 9.0, bf16 3.6 against 5.0;
+        GRU 14.1 / 15.8, 8.2 / 8.6, 3.4 / 5.0: ``scratch/rnn_sweep.py``). Its backward:
+        ``_owned_first``."""
         first = (16, 32, 32 if p.backward and p.elem == 4 else 64, 3 if p.elem < 4 else 2, {})
         others = ((16, 16, 64, 3), (32, 16, 64, 3), (16, 32, 32, 3), (32, 32, 64, 2))
         shapes = [first, *((*shape, {}) for shape in others)]
         if _gathered(p):
-            shapes.insert(0, (16, 16, 64, 2, {"GATHER": True}))
+            shapes.insert(0, (16, 16, 64 if p.elem == 4 else 128, 3, {"GATHER": True}))
         if _owned(p):  # the one-phase backward (128-wide shares), first where it was measured faster
             owned = (*_OWNED_SHAPE, {"OWNED": True, "BLOCK_P": min(128, _pad(p.state))})
             shapes.insert(0 if _owned_first(p) else 1, owned)

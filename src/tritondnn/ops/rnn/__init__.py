@@ -152,14 +152,22 @@ def _backward(dy, dhn, dcn, whh, whr, lengths, sv, hbuf, cbuf, ht, cell, algo):
     return out
 
 
+# The longest reduction ``_product`` takes as three TF32 products in fp32 (see there).
+_TF32X3_MAX_K = 4096
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (plus ``bias`` per column) through the matmul op; fp32 without TF32 as three TF32
-    products, the precision the recurrence runs in (``engines.dot_constexprs``), where Triton's
-    fp32 "ieee" product runs on the FMA units: H200, LSTM T128 B32 H1024's input projection
-    (4096 x 4096 x 1024) took a quarter of the forward at 46 TFLOP/s."""
+    """``a @ b`` (plus ``bias`` per column) through the matmul op. fp32 without TF32 as three TF32
+    products (the precision the recurrence runs in: ``engines.dot_constexprs``) up to K = 4096,
+    the FMA units' "ieee" product over longer reductions. H200, the benchmark's GEMMs, us,
+    ieee against tf32x3 (``scratch/gemm_x3.py``; cuBLAS without TF32 680-760): input projections
+    and input gradients (K 512-4096) 744-804 against 564-654; weight gradients over all steps
+    714 against 601 at K = 4096, 784 / 773 at K = 16384, 793 / 1200 at K = 65536 (Hopper's TF32
+    MMAs read both operands K-major: the tf32 kernel transposes these M-major ones first)."""
     kind = 0 if bias is None else 1
+    x3 = a.shape[-1] <= _TF32X3_MAX_K
     return _matmul(a, b, None, bias, None, None, None, 1.0, 0.0, kind, -1, 0.0, 0.0, False, False, a.dtype,
-                   False, True)[0]  # fmt: skip
+                   False, x3)[0]  # fmt: skip
 
 
 class _InputProjection(torch.autograd.Function):

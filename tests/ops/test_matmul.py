@@ -529,6 +529,30 @@ def test_split_k_leads_where_128x128_tiles_fill_at_most_half_the_sms(monkeypatch
     assert mm_engines._tma_split(_meta_problem(768, 768, 2048)) == 1  # short K
 
 
+def test_tf32_operands_not_k_major_are_copied_not_read_in_place(monkeypatch):
+    """On Hopper, TF32 (and three-TF32) products with an operand that is not K-major run a quarter
+    as fast read in place, in the tiled and split-K kernels alike: a weight gradient over all
+    steps (A = da^T, M-major; 4096 x 1024 over K = 4096) goes to the persistent kernel, which
+    copies it K-major first; K-major operands keep their rate."""
+    monkeypatch.setattr(mm_engines, "sm_count", lambda: 132)
+    monkeypatch.setattr(mm_engines, "hopper", lambda: True)
+    monkeypatch.setattr(mm_engines, "INTERPRET", False)
+
+    def problem(a_t: bool, tf32x3: bool) -> mm_engines.MatmulProblem:
+        a = torch.empty(4096, 4096, device="meta").t() if a_t else torch.empty(4096, 4096, device="meta")
+        b = torch.empty(1024, 4096, device="meta").t()
+        with tdnn.config.flags(allow_tf32=not tf32x3):
+            return mm_engines.layout(
+                a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1,
+                store_pre=False, scaled=False, amax=False, tf32x3=tf32x3,
+            ).problem  # fmt: skip
+
+    for tf32x3 in (False, True):
+        assert mm_engines._in_place_rate(problem(True, tf32x3)) == 0.25
+        assert mm_engines._in_place_rate(problem(False, tf32x3)) == 1.0
+        assert mm.FAMILY.select(problem(True, tf32x3)).engine.name == "tma-persistent"
+
+
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):

@@ -422,9 +422,7 @@ class TiledEngine(Engine[MatmulProblem]):
         if _long_k(problem):  # measured as fast as the persistent kernel's tiles there, or faster
             return _long_k_time(problem, c) / _in_place_rate(problem) + 4
         programs = _tiles(problem, c)
-        # TF32 with an operand that is not K-major runs on Ampere's MMAs (88 TFLOP/s on H100).
-        slow_tf32 = 0.25 if any(_tf32_repacks(problem)) and hopper() else 1.0
-        compute = 0.8 * _wave_util_of(problem, programs) * slow_tf32 * _in_place_rate(problem)
+        compute = 0.8 * _wave_util_of(problem, programs) * _in_place_rate(problem)
         return _roofline(problem, compute, 0.6 * min(1.0, programs / sm_count())) + 4
 
     def configs(self, problem: MatmulProblem) -> list[LaunchConfig]:
@@ -1055,8 +1053,12 @@ def _split_configs(
 def _in_place_rate(p: MatmulProblem) -> float:
     """The share of their usual rate kernels reading operands in place keep: a fifth when an
     operand has no aligned contiguous dimension, read a value per load (H100, bf16 logits 8192 x
-    50257 against 768 features: 105 TFLOP/s tiled, 165-190 split-K; see ``_repacks``)."""
-    return 0.2 if any(_unaligned(p)) else 1.0
+    50257 against 768 features: 105 TFLOP/s tiled, 165-190 split-K; see ``_repacks``); a quarter
+    for TF32 with an operand that is not K-major on Hopper, whose MMAs then wait on a transposed
+    copy of each tile (88 TFLOP/s on H100; see ``_tf32_repacks``: the tiled and split-K kernels
+    alike)."""
+    rate = 0.2 if any(_unaligned(p)) else 1.0
+    return rate * 0.25 if any(_tf32_repacks(p)) and hopper() else rate
 
 
 def _split_cost(p: MatmulProblem, config: LaunchConfig, compute_eff: float, bandwidth_eff: float) -> float:

@@ -162,8 +162,9 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None)
     the FMA units' "ieee" product over longer reductions. H200, the benchmark's GEMMs, us,
     ieee against tf32x3 (``scratch/gemm_x3.py``; cuBLAS without TF32 680-760): input projections
     and input gradients (K 512-4096) 744-804 against 564-654; weight gradients over all steps
-    714 against 601 at K = 4096, 784 / 773 at K = 16384, 793 / 1200 at K = 65536 (Hopper's TF32
-    MMAs read both operands K-major: the tf32 kernel transposes these M-major ones first)."""
+    714 against 601 at K = 4096, 784 / 773 at K = 16384 (the persistent kernel, which copies the
+    M-major operands K-major first), 793 / 1200 at K = 65536 (split-K then, reading them in place
+    at a quarter of its rate: the cost model now sends them to the persistent kernel, not timed)."""
     kind = 0 if bias is None else 1
     x3 = a.shape[-1] <= _TF32X3_MAX_K
     return _matmul(a, b, None, bias, None, None, None, 1.0, 0.0, kind, -1, 0.0, 0.0, False, False, a.dtype,

@@ -92,7 +92,11 @@ def _input(kind, dtype):
     if kind == "4d":
         return randn(3, 5, 4, 6, dtype=dtype, scale=2.0) + 1.0
     if kind == "2d":
-        return randn(7, 24, dtype=dtype, scale=2.0) + 1.0
+        # 64 rows: with 7, the residual sum's bf16 rounding (PyTorch normalizes the rounded sum,
+        # we the fp32 one) left add_rms_norm's weight gradient, a max over 24 sums of 7, noisy
+        # enough that ours passed twice PyTorch's error in 1 draw of 300, though smaller in the
+        # median (0.0104 against 0.0157); 0 of 600 with 64 rows (0.0295 against 0.0439).
+        return randn(64, 24, dtype=dtype, scale=2.0) + 1.0
     return randn(6, 2, 24, dtype=dtype, scale=2.0)[:, 1]  # rows 48 elements apart: still a view
 
 

@@ -548,9 +548,50 @@ def test_tf32_operands_not_k_major_are_copied_not_read_in_place(monkeypatch):
             ).problem  # fmt: skip
 
     for tf32x3 in (False, True):
-        assert mm_engines._in_place_rate(problem(True, tf32x3)) == 0.25
-        assert mm_engines._in_place_rate(problem(False, tf32x3)) == 1.0
+        split_in_registers = 0.55 if tf32x3 else 1.0  # Triton's "tf32x3" dots, see below
+        assert mm_engines._in_place_rate(problem(True, tf32x3)) == 0.25 * split_in_registers
+        assert mm_engines._in_place_rate(problem(False, tf32x3)) == split_in_registers
         assert mm.FAMILY.select(problem(True, tf32x3)).engine.name == "tma-persistent"
+    # Three TF32 products go to the persistent kernel on TF32 planes whatever the layouts.
+    assert mm.FAMILY.select(problem(False, True)).engine.name == "tma-persistent"
+    assert mm_engines._repacks(problem(False, True)) == ("planes", "planes")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tf32_planes_split_each_value_into_head_and_tail(transposed):
+    """``tf32_planes``: rows [0, R) hold each value's TF32 head (the low 13 mantissa bits zero, so
+    a TF32 MMA reads it exactly), rows [R, 2R) the rest; head + tail is the value, bit for bit;
+    rows start on 16-byte boundaries; an M-major input too."""
+    x = randn(37, 45).mT if transposed else randn(45, 37)
+    x[0, 0], x[1, 1] = 0.0, -1.0e-30  # a zero and a value whose tail underflows to a subnormal
+    planes = mm_engines.tf32_planes(x)
+    rows = x.shape[0]
+    assert planes.shape == (2 * rows, x.shape[1]) and planes.stride(0) % 4 == 0 and planes.stride(1) == 1
+    head, tail = planes[:rows], planes[rows:]
+    assert not (head.contiguous().view(torch.int32) & 8191).any()
+    assert torch.equal(head + tail, x)
+    assert (tail.abs() <= x.abs() * 2.0**-10).all()
+
+
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+def test_tma_kernel_tf32x3_on_planes_keeps_fp32_accuracy(a_t, b_t):
+    """The persistent kernel's three TF32 products on planes, every operand layout, edges that cut
+    tiles (a tile's rows past M read the tails' first rows: their products land in rows that are
+    not stored), K of many steps: fp32's accuracy, better than the FMA units' product here."""
+    m, n, k = 200, 136, 1000
+    a = randn(k, m).mT if a_t else randn(m, k)
+    b = randn(n, k).mT if b_t else randn(k, n)
+    lay = mm_engines.layout(
+        a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
+        scaled=False, amax=False, tf32x3=True,
+    )  # fmt: skip
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    ref = a.double() @ b.double()
+    for config in engine.configs(lay.problem):
+        out, _, _, args = _launch_args(lay.problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+        engine.bind(lay.problem, config)(*args)
+        assert float((out - ref).abs().max()) <= 1e-6 * float(ref.abs().max()), config
 
 
 @pytest.mark.parametrize("a_t", [False, True])

@@ -27,7 +27,7 @@ from ...core.engine import Engine, Family, LaunchConfig, Problem
 from ...core.launcher import Described, cdiv, launcher
 from ...core.strides import broadcast_shapes, collapse, empty_aligned_rows
 from ..transform import transform_tensor
-from .kernels import _reduce_kernel, _split_kernel, _tiled_kernel
+from .kernels import _reduce_kernel, _split_kernel, _tf32_planes_kernel, _tiled_kernel
 from .tma import _persistent_kernel, _stream_k_kernel, _stream_k_sums_kernel
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -58,7 +58,8 @@ class MatmulProblem(Problem):
     ``tf32``: fp32 products run on the TF32 tensor cores: one TF32 product each where
     ``config.allow_tf32``, three where ``tf32x3`` (each operand split into a TF32 head and tail,
     the tail x tail term dropped: about fp32's accuracy; the recurrent networks' products ask for
-    it, as their recurrence runs so). ``fast_accum``: fp8 products
+    it, as their recurrence runs so; the persistent kernel reads the operands split beforehand,
+    ``tf32_planes``). ``fast_accum``: fp8 products
     accumulate in the tensor cores' own precision over the whole K loop.
     """
 
@@ -336,6 +337,12 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
         shapes = [(64, 64, 16, 4, 2), (32, 32, 16, 4, 2), (64, 32, 32, 4, 2)]
     elif p.dtypes[0] == "float32" and not p.tf32:
         shapes = [(128, 128, 32, 8, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4)]
+    elif p.tf32x3:
+        # The persistent kernel loads four tiles a K step (``_planes_bytes``). H200, TF32 planes
+        # (``scratch/planes_x3.py``): 128x128x32 (8 warps, 3 stages) led at 16384x2048x512,
+        # 16384x512x2048, 4096^2x1024, 4096^3 (99-107 TFLOP/s); 64x128x32 (4 warps, 4 stages) at
+        # 2048x512x16384 (92), where 128x128 tiles fill half the SMs.
+        shapes = [(128, 128, 32, 8, 3), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4)]
     elif p.dtypes[0] == "float32":  # TF32: fp32 tiles take twice the shared memory of fp16 ones
         shapes = [
             (128, 256, 32, 8, 3),
@@ -353,7 +360,7 @@ def _tile_configs(p: MatmulProblem) -> list[LaunchConfig]:
             (256, 128, 64, 8, 3),
             (64, 64, 64, 4, 4),
         ]
-    configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _ITEMSIZE[p.dtypes[0]])]
+    configs = [_tile(*s, group=16 if p.fp8 else 8) for s in shapes if _fits(*s, _planes_bytes(p))]
     big = configs[0]
     if _tiles(p, big) < sm_count():
         if _long_k(p):
@@ -525,7 +532,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         c = _tile_configs(problem)[0]  # the model's tile (the first config may be a measured exception)
         tiles = cdiv(problem.m, c["BLOCK_M"]) * cdiv(problem.n, c["BLOCK_N"])
         repack_a, repack_b = _repacks(problem)
-        copied = 2 * (  # read + write
+        copied = (1 + _planes_bytes(problem) // _ITEMSIZE[problem.dtypes[0]]) * (  # read + write
             bool(repack_a) * _ITEMSIZE[problem.dtypes[0]] * problem.m * problem.k
             + bool(repack_b) * _ITEMSIZE[problem.dtypes[1]] * problem.k * problem.n
         )
@@ -552,7 +559,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         halves = out_bytes > _ITEMSIZE[problem.dtypes[0]]
         tiles = [
             c
-            if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _ITEMSIZE[problem.dtypes[0]]
+            if c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * _planes_bytes(problem)
             + c["BLOCK_M"] * c["BLOCK_N"] * out_bytes
             <= 216 * 1024
             else {**c, "STORE_DESC": False, "SUBTILE": halves}
@@ -790,11 +797,14 @@ def _tf32_repacks(p: MatmulProblem) -> tuple[bool, bool]:
 def _repacks(p: MatmulProblem) -> tuple[str | None, str | None]:
     """How the persistent kernel copies A and B (as N x K) first, if at all: ``"k-major"`` or
     ``"m-major"`` (the operand's rows or its columns contiguous), each row or column starting on
-    a 16-byte boundary. TF32 takes both K-major (see ``_tf32_repacks``); an operand a descriptor
+    a 16-byte boundary, or ``"planes"`` (``tf32_planes``: three TF32 products take both so).
+    TF32 takes both K-major (see ``_tf32_repacks``); an operand a descriptor
     cannot read (no contiguous dimension with 16-byte-aligned rows or columns: logits over a
     vocabulary of 50257, say) is copied keeping its contiguous dimension, at the copy rate. The
     tiled kernel reading such an operand in place issues a load per element: H100, bf16 logits
     8192 x 50257 against 768 features, 6 ms for the data and for the weight gradient (105 TFLOP/s)."""
+    if p.tf32x3:
+        return "planes", "planes"
     out: list[str | None] = []
     b_t = (*p.b_strides[:2], p.b_strides[3], p.b_strides[2])  # B^T: N x K
     for strides, to_k_major, unaligned in zip((p.a_strides, b_t), _tf32_repacks(p), _unaligned(p)):
@@ -818,7 +828,7 @@ def _unaligned(p: MatmulProblem) -> tuple[bool, bool]:
 def _repacked_strides(rows: int, cols: int, how: str, dtype: str) -> tuple[int, int]:
     """(row, column) strides of ``_repack``'s copy of a rows x cols operand."""
     align = 16 // _ITEMSIZE[dtype]
-    return (cdiv(cols, align) * align, 1) if how == "k-major" else (1, cdiv(rows, align) * align)
+    return (1, cdiv(rows, align) * align) if how == "m-major" else (cdiv(cols, align) * align, 1)
 
 
 def padded_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -833,6 +843,8 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor | None:
 def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     """A copy of the matrix ``x`` with the strides of ``_repacked_strides`` (the padding is never read)."""
     rows, cols = x.shape
+    if how == "planes":
+        return tf32_planes(x)
     if how == "k-major":
         if x.stride(0) == 1 and x.stride(1) != 1:
             x = _row_major(x)  # a transpose at the copy rate
@@ -842,6 +854,26 @@ def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     else:
         out = empty_aligned_rows(x, cols, rows).t()
     return out.copy_(x)
+
+
+def tf32_planes(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix ``x`` (R x C, any strides) as a 2R x C row-major matrix for three TF32
+    products: rows [0, R) each value's TF32 head, rows [R, 2R) the rest (``_tf32_planes_kernel``),
+    rows starting on 16-byte boundaries. One pass: the heads and tails read from memory by TMA
+    spare the persistent kernel splitting tiles in registers, which ran Triton's "tf32x3" dots at
+    57-61 TFLOP/s on H200 against 92-107 so (see ``_tile_configs``)."""
+    rows, cols = x.shape
+    out = empty_aligned_rows(x, 2 * rows, cols)
+    block = 64
+    grid = (cdiv(rows, block), cdiv(cols, block))
+    _tf32_planes_kernel[grid](x, out, rows, cols, x.stride(0), x.stride(1), out.stride(0), block, block)
+    return out
+
+
+def _planes_bytes(p: MatmulProblem) -> int:
+    """Bytes of operand a kernel loads per element of A or B: twice the item size for TF32 planes
+    (head and tail)."""
+    return _ITEMSIZE[p.dtypes[0]] * (2 if p.tf32x3 else 1)
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:
@@ -867,9 +899,11 @@ def _tma_arguments(
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     sa_m, sa_k = p.a_strides[2:]
     sb_k, sb_n = p.b_strides[2:]
+    planes = 2 if p.tf32x3 else 1  # TF32 planes: heads over the first M (N) rows, tails after
+    m, n = planes * p.m, planes * p.n
     descriptors = [
-        Described((p.k, p.m), (sa_k, 1), (bk, bm)) if a_t else Described((p.m, p.k), (sa_m, 1), (bm, bk)),
-        Described((p.n, p.k), (sb_n, 1), (bn, bk)) if b_t else Described((p.k, p.n), (sb_k, 1), (bk, bn)),
+        Described((p.k, p.m), (sa_k, 1), (bk, bm)) if a_t else Described((m, p.k), (sa_m, 1), (bm, bk)),
+        Described((n, p.k), (sb_n, 1), (bn, bk)) if b_t else Described((p.k, p.n), (sb_k, 1), (bk, bn)),
         Described((p.m, p.n), (so_m, 1), (bm, out_n)) if out_desc else None,
     ]
     ints = (p.m, p.n, p.k, so_m, so_n, *c_strides, *r_strides, p.bias_stride, programs)
@@ -1058,6 +1092,8 @@ def _in_place_rate(p: MatmulProblem) -> float:
     copy of each tile (88 TFLOP/s on H100; see ``_tf32_repacks``: the tiled and split-K kernels
     alike)."""
     rate = 0.2 if any(_unaligned(p)) else 1.0
+    if p.tf32x3:  # Triton splits the tiles in registers: 57-61 TFLOP/s on H200, planes 92-107
+        rate *= 0.55
     return rate * 0.25 if any(_tf32_repacks(p)) and hopper() else rate
 
 

@@ -14,7 +14,7 @@ Arguments shared by the kernels, documented once:
   pre: m, n), c and r (residual: m, n); stride 0 broadcasts. ``s_bias`` steps the bias vector.
 * Constexprs: the epilogue flags ``HAS_C, BIAS, ACT, RESIDUAL, STORE_PRE`` (``apply_epilogue``),
   ``SCALED`` (multiply by scale_a * scale_b first), ``AMAX`` (record max |out|); ``PRECISION`` is
-  tl.dot's input_precision ("ieee" or "tf32" for fp32), or "fast" for fp8 accumulated in the
+  tl.dot's input_precision ("ieee", "tf32" or "tf32x3" for fp32), or "fast" for fp8 accumulated in the
   tensor cores over the whole K loop (``use_fast_accum``); ``UPCAST`` makes dots on fp32 copies of
   the tiles (the interpreter computes bf16 dots wrongly); ``ACC`` is the accumulator dtype (fp64
   for fp64 operands, else fp32); ``INDEX_64`` computes offsets in int64 (some tensor spans 2**31
@@ -322,3 +322,22 @@ def _grad_epilogue_kernel(
                 at = ws_ptr + (k0 + k) * C + cols[None, :]
                 sums += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(db_ptr + cols, convert(tl.sum(sums, 0), db_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _tf32_planes_kernel(
+    x_ptr, out_ptr, R, C, sx_r, sx_c, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):  # fmt: skip
+    """Splits the fp32 matrix X (R x C, any strides) into planes for three TF32 products: row r of
+    ``out`` (row stride ``ld``) holds X's row r's TF32 head (its top 10 mantissa bits, which a
+    TF32 MMA reads exactly), row R + r the tail (X minus the head, exact in fp32). A stride of 1
+    is specialized, so an M-major X is read along its columns and the tile turned in shared
+    memory. Grid: (row blocks, column blocks)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    mask = (r < R)[:, None] & (c < C)[None, :]
+    x = tl.load(x_ptr + r[:, None] * sx_r + c[None, :] * sx_c, mask=mask)
+    head = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    at = out_ptr + r[:, None] * ld + c[None, :]
+    tl.store(at, head, mask=mask)
+    tl.store(at + R * ld, x - head, mask=mask)

@@ -153,18 +153,19 @@ def _backward(dy, dhn, dcn, whh, whr, lengths, sv, hbuf, cbuf, ht, cell, algo):
 
 
 # The longest reduction ``_product`` takes as three TF32 products in fp32 (see there).
-_TF32X3_MAX_K = 4096
+_TF32X3_MAX_K = 16384
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b`` (plus ``bias`` per column) through the matmul op. fp32 without TF32 as three TF32
-    products (the precision the recurrence runs in: ``engines.dot_constexprs``) up to K = 4096,
-    the FMA units' "ieee" product over longer reductions. H200, the benchmark's GEMMs, us,
-    ieee against tf32x3 (``scratch/gemm_x3.py``; cuBLAS without TF32 680-760): input projections
-    and input gradients (K 512-4096) 744-804 against 564-654; weight gradients over all steps
-    714 against 601 at K = 4096, 784 / 773 at K = 16384 (the persistent kernel, which copies the
-    M-major operands K-major first), 793 / 1200 at K = 65536 (split-K then, reading them in place
-    at a quarter of its rate: the cost model now sends them to the persistent kernel, not timed)."""
+    products (the precision the recurrence runs in: ``engines.dot_constexprs``; the persistent
+    kernel on TF32 planes) up to K = 16384, the FMA units' "ieee" product over longer reductions.
+    H200, the benchmark's GEMMs, us, ieee against tf32x3 (``scratch/x3_op.py``, the planes' pass
+    included; cuBLAS without TF32 660-720): input projections and input gradients (K 256-4096)
+    745-810 against 376-470; weight gradients over all steps 714 against 395 at K = 4096, 782 /
+    530 at K = 16384 (the planes pass there 133 us: the operands are large beside the product),
+    792 / 1429 at K = 65536 (a 1024 x 256 output: too few tiles for the SMs, and no split over K
+    for the planes)."""
     kind = 0 if bias is None else 1
     x3 = a.shape[-1] <= _TF32X3_MAX_K
     return _matmul(a, b, None, bias, None, None, None, 1.0, 0.0, kind, -1, 0.0, 0.0, False, False, a.dtype,

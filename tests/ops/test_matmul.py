@@ -3,6 +3,7 @@ engine and config, gradients of every input, determinism, errors, the library op
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -617,6 +618,37 @@ def test_tma_kernel_copies_tf32_operands_k_major(a_t, b_t, poison):
     engine.bind(lay.problem, config)(*args)
     ref = a.double() @ b.double()
     assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())  # TF32's 10 mantissa bits
+
+
+@pytest.mark.parametrize("tf32x3", [False, True])
+def test_tma_engine_falls_back_to_tiled_on_the_operands_as_given(tf32x3, monkeypatch):
+    """Where no persistent config builds, the tiled kernel runs, with a warning, on the operands as
+    the call gave them: not on the K-major copy (TF32, an M-major A) or the TF32 planes made for
+    the descriptors, whose strides it was not bound to; later calls too."""
+
+    def unbuildable(problem, config):
+        def launch(*args):
+            raise RuntimeError("no build")
+
+        return launch
+
+    monkeypatch.setattr(mm_engines, "_persistent_launch", unbuildable)
+    m, n, k = 40, 72, 36
+    a, b = randn(k, m).mT, randn(k, n)
+    with tdnn.config.flags(allow_tf32=not tf32x3):
+        lay = mm_engines.layout(
+            a, b, None, None, None, out_dtype=torch.float32, bias_kind=0, activation=-1, store_pre=False,
+            scaled=False, amax=False, tf32x3=tf32x3,
+        )  # fmt: skip
+    assert mm_engines._repacks(lay.problem)[0] == ("planes" if tf32x3 else "k-major")
+    engine = next(e for e in mm.FAMILY.engines if e.name == "tma-persistent")
+    run = engine.bind(lay.problem, engine.configs(lay.problem)[0])
+    ref = a.double() @ b.double()
+    for call in range(2):
+        out, _, _, args = _launch_args(lay.problem, lay, a, b, None, None, None, 1.0, 0.0, 0.0, 0.0)
+        with pytest.warns(RuntimeWarning, match="failed to build") if call == 0 else contextlib.nullcontext():
+            run(*args)
+        assert float((out - ref).abs().max()) <= 4e-3 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("a_t", [False, True])

@@ -639,20 +639,23 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *rest: object) -> None:
             nonlocal launch
             # Descriptors need 16-byte-aligned base addresses, which only the call knows (copies
-            # are made aligned).
-            if ((0 if repack_a else a.data_ptr()) | (0 if repack_b else b.data_ptr()) | out.data_ptr()) & 15:
+            # are made aligned). The tiled kernel reads the operands as given, never the copies.
+            if launch is tiled or (
+                ((0 if repack_a else a.data_ptr()) | (0 if repack_b else b.data_ptr()) | out.data_ptr()) & 15
+            ):
                 tiled(a, b, out, *rest)
                 return
+            a_in, b_in = a, b
             if repack_a:
-                a = _repack(a.as_strided((problem.m, problem.k), problem.a_strides[2:]), repack_a)
+                a_in = _repack(a.as_strided((problem.m, problem.k), problem.a_strides[2:]), repack_a)
             if repack_b:
-                b = _repack(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t(), repack_b).t()
+                b_in = _repack(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t(), repack_b).t()
             if launch is not None:
-                launch(a, b, out, *rest)
+                launch(a_in, b_in, out, *rest)
                 return
             for (name, attempt), (then, _) in itertools.pairwise(attempts):
                 try:  # the first launch compiles
-                    attempt(a, b, out, *rest)
+                    attempt(a_in, b_in, out, *rest)
                 except Exception as exc:  # Triton's passes raise errors of many kinds
                     warnings.warn(
                         f"tritondnn: {name} failed to build ({type(exc).__name__}: {str(exc)[:200]}); "
@@ -664,7 +667,7 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
                 launch = attempt
                 return
             launch = tiled
-            launch(a, b, out, *rest)
+            tiled(a, b, out, *rest)
 
         return run
 

@@ -621,9 +621,12 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
         plain.pop("STREAM_K", None)  # a stream-K config falls back to the persistent kernel
         configs = [config] + ([plain] if plain != config else [])
         repack_a, repack_b = _repacks(p)
+        copy_a = copy_b = None
         if repack_a:
+            copy_a = _copier(p.m, p.k, p.a_strides[2:], repack_a)
             p = dataclasses.replace(p, a_strides=(0, 0, *_repacked_strides(p.m, p.k, repack_a, p.dtypes[0])))
-        if repack_b:
+        if repack_b:  # B^T (N x K) is copied
+            copy_b = _copier(p.n, p.k, (p.b_strides[3], p.b_strides[2]), repack_b)
             n_stride, k_stride = _repacked_strides(p.n, p.k, repack_b, p.dtypes[1])
             p = dataclasses.replace(p, b_strides=(0, 0, k_stride, n_stride))
 
@@ -646,10 +649,10 @@ class PersistentTmaEngine(Engine[MatmulProblem]):
                 tiled(a, b, out, *rest)
                 return
             a_in, b_in = a, b
-            if repack_a:
-                a_in = _repack(a.as_strided((problem.m, problem.k), problem.a_strides[2:]), repack_a)
-            if repack_b:
-                b_in = _repack(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t(), repack_b).t()
+            if copy_a is not None:
+                a_in = copy_a(a.as_strided((problem.m, problem.k), problem.a_strides[2:]))
+            if copy_b is not None:
+                b_in = copy_b(b.as_strided((problem.k, problem.n), problem.b_strides[2:]).t()).t()
             if launch is not None:
                 launch(a_in, b_in, out, *rest)
                 return
@@ -846,8 +849,6 @@ def padded_rows(x: torch.Tensor) -> torch.Tensor | None:
 def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     """A copy of the matrix ``x`` with the strides of ``_repacked_strides`` (the padding is never read)."""
     rows, cols = x.shape
-    if how == "planes":
-        return tf32_planes(x)
     if how == "k-major":
         if x.stride(0) == 1 and x.stride(1) != 1:
             x = _row_major(x)  # a transpose at the copy rate
@@ -859,18 +860,40 @@ def _repack(x: torch.Tensor, how: str) -> torch.Tensor:
     return out.copy_(x)
 
 
-def tf32_planes(x: torch.Tensor) -> torch.Tensor:
-    """The fp32 matrix ``x`` (R x C, any strides) as a 2R x C row-major matrix for three TF32
-    products: rows [0, R) each value's TF32 head, rows [R, 2R) the rest (``_tf32_planes_kernel``),
-    rows starting on 16-byte boundaries. One pass: the heads and tails read from memory by TMA
-    spare the persistent kernel splitting tiles in registers, which ran Triton's "tf32x3" dots at
-    57-61 TFLOP/s on H200 against 92-107 so (see ``_tile_configs``)."""
-    rows, cols = x.shape
-    out = empty_aligned_rows(x, 2 * rows, cols)
+_Copy = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _copier(rows: int, cols: int, strides: tuple[int, int], how: str) -> _Copy:
+    """The copy a plan makes of a rows x cols operand with these strides on every call: TF32
+    planes through a launch bound here (Triton's own launcher took 34.5 us of host a launch on an
+    H200 host, ``core.launcher``'s 9.6), else ``_repack``'s."""
+    if how == "planes":
+        return tf32_planes_split(rows, cols, strides)
+    return lambda x: _repack(x, how)
+
+
+def tf32_planes_split(rows: int, cols: int, strides: tuple[int, int]) -> _Copy:
+    """``split(x)``: the fp32 matrix ``x`` (rows x cols, these strides) as a 2 rows x cols row-major
+    matrix for three TF32 products: rows [0, rows) each value's TF32 head, the rest after
+    (``_tf32_planes_kernel``), rows starting on 16-byte boundaries. One pass: the heads and tails
+    read from memory by TMA spare the persistent kernel splitting tiles in registers, which ran
+    Triton's "tf32x3" dots at 57-61 TFLOP/s on H200 against 92-107 so (see ``_tile_configs``)."""
+    ld = _repacked_strides(rows, cols, "planes", "float32")[0]
     block = 64
     grid = (cdiv(rows, block), cdiv(cols, block))
-    _tf32_planes_kernel[grid](x, out, rows, cols, x.stride(0), x.stride(1), out.stride(0), block, block)
-    return out
+    launch = launcher(_tf32_planes_kernel, grid, 2, (rows, cols, *strides, ld), (block, block))
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        out = empty_aligned_rows(x, 2 * rows, cols)
+        launch(x, out)
+        return out
+
+    return split
+
+
+def tf32_planes(x: torch.Tensor) -> torch.Tensor:
+    """``tf32_planes_split`` of ``x``'s shape and strides, applied to ``x`` (one call)."""
+    return tf32_planes_split(*x.shape, x.stride())(x)
 
 
 def _planes_bytes(p: MatmulProblem) -> int:

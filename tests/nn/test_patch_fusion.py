@@ -230,11 +230,15 @@ def test_unpatch_copies_and_state_dict():
 
 @pytest.fixture
 def node_calls(monkeypatch):
-    """How many calls ran as one fused conv + batch norm autograd node; a fresh program cache."""
+    """The fused conv + batch norm autograd nodes run: 1 for a pair's, a chain's pair count for
+    a chain's; a fresh program cache."""
     monkeypatch.setattr(conv_bn, "_programs", {})
     calls = []
-    real = conv_bn._apply
+    real, real_chain = conv_bn._apply, conv_bn._apply_chain
     monkeypatch.setattr(conv_bn, "_apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        conv_bn, "_apply_chain", lambda run, *a: calls.append(len(run.layout)) or real_chain(run, *a)
+    )
     return calls
 
 
@@ -272,7 +276,8 @@ def test_conv_batch_norm_under_autocast(node_calls, monkeypatch):
                 assert torch.equal(a, b), f"step {step} gradient {i}"
     for a, b in zip(ours.buffers(), apart.buffers()):
         assert torch.equal(a, b)
-    assert len(node_calls) == 2 * 2  # steps 2 and 3, two pairs each (the first call primes)
+    # Step 1 primes; step 2 runs each pair fused (and learns the block's chain), step 3 the chain.
+    assert node_calls == [1, 1, 2]
 
 
 class Twice(nn.Module):
@@ -344,7 +349,7 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     # Forward 1's first block call primes the programs, its second learns the plan; 2-5 cast in
     # one launch each (3's and 5's second block calls cast conv2 alone: the launch had the old).
     assert copies == [2, 2, 2, 2] and conv_bn._local.step is None
-    assert len(node_calls) == 2 + 4 * 4
+    assert node_calls == [1, 1] + [2] * 8  # the block's chain, each call from forward 2 on
     counters = [int(m.num_batches_tracked) for m in (ours.block.bn1, ours.block.bn2)]
     assert counters == [10, 10] == [int(m.num_batches_tracked) for m in (model.block.bn1, model.block.bn2)]
     assert adds == [2]  # forward 1's fused call; then each counter twice a step: an add_ each
@@ -447,7 +452,51 @@ def test_sequential_conv_batch_norm_relu(node_calls):
     ours = copy.deepcopy(model)
     tnn.patch(ours)
     _compare_steps(model, ours, randn(2, 4, 5, 5), "sequential")
-    assert len(node_calls) == 2 * 2
+    assert node_calls == [1] * 4
+
+
+def test_block_runs_as_one_chain_node(node_calls):
+    """A bottleneck with a projected skip: its four conv + batch norm pairs (the skip's
+    Sequential inlined) run as one autograd node from its third forward on, against float64
+    and torch: frozen batch norm parameters and an input without a gradient; a forward without
+    autograd in training mode (running statistics); a hook registered after patching, which
+    sees its module's call again (the chain gives way); a deep copy, which learns its own."""
+    from tritondnn.bench.models import Bottleneck
+
+    model, ours, report = _pair(lambda: Bottleneck(4, 3, 2).to(memory_format=torch.channels_last))
+    assert "conv_batch_norm_chain" in ours.forward.__self__.code and "skip" not in report.skipped
+    x = randn(2, 4, 7, 6).contiguous(memory_format=torch.channels_last)
+    _compare_steps(model, ours, x, "chain", steps=4)
+    assert node_calls[:4] == [1, 1, 1, 1] and node_calls[4:] == [4, 4]  # steps 3 and 4
+    for m in (model, ours):
+        m.train()
+        m.bn1.weight.requires_grad_(False)
+        m.bn3.bias.requires_grad_(False)
+    wide = copy.deepcopy(model).double()
+    got, dgot = _run(ours, x, 5)
+    same, dsame = _run(model, x, 5)
+    ref, dref = _run(wide, x.double(), 5)
+    assert node_calls[-1] == 4 and len(dgot) == len(dref) == 1 + 4 + 6  # x, 4 convs, 6 of 8 bn params
+    assert_close(got, ref, same, "frozen output")
+    for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+        assert_close(a, b, c, f"frozen gradient {i}")
+    with torch.no_grad():
+        got, ref, same = ours(x + 1), wide(x.double() + 1), model(x + 1)
+    assert node_calls[-1] == 4  # no node: the programs ran directly
+    assert_close(got, ref, same, "no_grad output")
+    for a, b, c in zip(ours.buffers(), wide.buffers(), model.buffers()):
+        if a.is_floating_point():
+            assert_close(a, b, c, "no_grad running statistics")
+    seen = []
+    ours.conv2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    calls = len(node_calls)
+    assert_close(ours(x), model(x), what="hooked")
+    assert seen == [(2, 3, 4, 3)] and len(node_calls) == calls + 3  # the other three pairs
+    twin = copy.deepcopy(ours)
+    assert twin.conv1.__dict__[conv_bn._CHAIN].entry is None
+    for _ in range(3):
+        assert_close(twin(x), model(x), what="copy")
+    pickle.dumps(ours.conv1.__dict__[conv_bn._CHAIN])
 
 
 def test_fused_model_traces_in_one_graph():

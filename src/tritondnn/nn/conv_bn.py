@@ -8,6 +8,14 @@ node), one module call chain, and autocast's cast of the weight done inside the 
 whose pieces have no eager program yet (the first of its shapes), or that the fast path does not
 take (hooks, a conv bias, a padding mode, an input of another dtype than the computation's),
 runs the two modules as they are; the first such call builds the programs the later ones use.
+A call is validated by its print (``_call_print``: the modules' settings and the tensors' specs,
+read again on each call, a few microseconds), kept on the convolution with the programs, or where
+the print differs, by ``_key`` (about ten).
+
+A model's block of such calls, one feeding the next (a ResNet bottleneck's three, four with a
+projected skip), is one call of ``conv_batch_norm_chain`` (fusion.py rewrites the block's graph):
+one autograd node for the block, validated by one print over its pairs and the values it reads,
+the block's input gradient summed from the two paths inside its backward.
 
 A model patched with ``fuse=True`` also opens a ``_Step`` for each of its forwards (``enter_step``
 and ``exit_step``, hooks on the model), in which work that every fused call repeats is done once
@@ -30,8 +38,9 @@ import triton.language as tl
 
 from ..core.autocast import _any_autocast
 from ..core.backend import DEVICE_TYPE
+from ..core.config import config
 from ..core.launcher import cdiv, launcher
-from ..core.library import functorch_active, raw_apply
+from ..core.library import PLAIN_TENSORS, functorch_active, raw_apply
 from ..ops.conv import eager as conv_eager
 from ..ops.norm import batch as batch_ops
 from .layers import Conv2d, _bn_state, _hooked, fusable_batch_norm, on_backend
@@ -82,6 +91,10 @@ def conv_batch_norm(
 ) -> torch.Tensor:
     """``relu(bn(conv(input)) + residual)`` (without the residual where None, without the ReLU
     where ``relu`` is False), fused where the fast path takes the call."""
+    call = _call_print(conv, bn, input, residual, relu)
+    entry = _cached(conv, _PAIR) if call is not None else None
+    if entry is not None and entry[0] == call:
+        return _run_pair(conv, bn, input, residual, entry[1], entry[2], conv._parameters["weight"])
     key = _key(conv, bn, input, residual, relu)
     programs = _programs.get(key) if key is not None else None
     if programs is None:
@@ -90,12 +103,16 @@ def conv_batch_norm(
         if key is not None:
             _remember(key, bn, h, residual, relu)
         return y
+    if call is not None and call[0][3] is not None:  # the weight was read from its dict
+        _store(conv, _PAIR, (call, programs, key[1]))
+    return _run_pair(conv, bn, input, residual, programs, key[1], conv.weight)
+
+
+def _run_pair(conv, bn, input, residual, programs, low, weight) -> torch.Tensor:
+    """A validated call (``_key`` took it, or its print matched one that ``_key`` took)."""
     step = _local.step
     # Counts the batch (or leaves it to the step), computes the momentum factor.
-    args = bn._batch_norm_args(input, None if step is None else step.counts)
-    _, rm, rv, bn_weight, bn_bias, _, momentum, _ = args
-    low = key[1]
-    weight = conv.weight
+    rm, rv, bn_weight, bn_bias, _, momentum = bn._counted_statistics(None if step is None else step.counts)
     cast = None if low is None or step is None else step.cast_weight(conv, weight, low)
     grad = torch.is_grad_enabled() and (
         input.requires_grad
@@ -111,6 +128,249 @@ def conv_batch_norm(
     w = cast if cast is not None else weight if low is None else weight.to(low)
     h = programs[0][0](input, w, None)
     return programs[1][0](h, bn_weight, bn_bias, residual, rm, rv, float(momentum))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prints: what a validated call's programs depend on, read again on each call in a few
+# microseconds where ``_key`` takes about ten (it validates the geometry arguments and builds
+# both families' keys). A print equal to one whose call ``_key`` took, with programs, is a call
+# ``_key`` would take with the same programs: every value ``_key`` reads is in it or read again.
+
+_PAIR = "_tdnn_conv_bn"  # a convolution's last fused call: (print, programs, low)
+_CHAIN = "_tdnn_conv_bn_chain"  # on a chain's first convolution: (print, programs, lows)
+
+
+class _Slot:
+    """A module's cached entry (in its ``__dict__``, past ``nn.Module.__setattr__``); copies and
+    pickles of the module start empty (the programs hold launchers)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None
+
+    def __reduce__(self) -> tuple:
+        return _Slot, ()
+
+    def __deepcopy__(self, memo: dict) -> _Slot:
+        return _Slot()
+
+
+def _cached(module: torch.nn.Module, name: str) -> tuple | None:
+    slot = module.__dict__.get(name)
+    return None if slot is None else slot.entry
+
+
+def _store(module: torch.nn.Module, name: str, entry: tuple) -> None:
+    slot = module.__dict__.get(name)
+    if slot is None:
+        slot = module.__dict__[name] = _Slot()
+    slot.entry = entry  # one assignment: DataParallel's replicas share the slot
+
+
+def _tensor_print(t: Any) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    if _any_autocast() and torch.is_autocast_enabled(DEVICE_TYPE):
+        return torch.get_autocast_dtype(DEVICE_TYPE)
+    return None
+
+
+def _layer_print(conv: torch.nn.Module, bn: torch.nn.Module, relu: bool) -> tuple | None:
+    """The pair's part of a print (its modules' classes, settings and tensors' specs), or None
+    where hooks would see the modules' calls."""
+    if _hooked(conv) or _hooked(bn):
+        return None
+    rm, rv, weight, bias, batches = _bn_state(bn)
+    params = conv._parameters
+    return (
+        type(conv), type(bn), relu, _tensor_print(params.get("weight")), params.get("bias") is None,
+        conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode,
+        bn.training, bn.track_running_stats, bn.eps, batches is None,
+        _tensor_print(rm), _tensor_print(rv), _tensor_print(weight), _tensor_print(bias),
+    )  # fmt: skip
+
+
+def _call_print(conv, bn, input, residual, relu) -> tuple | None:
+    """A call's print, or None where none is kept (tracing, a functorch transform, a tensor
+    subclass, hooks): such calls go through ``_key`` every time."""
+    if torch.compiler.is_compiling() or functorch_active():
+        return None
+    if type(input) not in PLAIN_TENSORS or (residual is not None and type(residual) is not torch.Tensor):
+        return None
+    layer = _layer_print(conv, bn, relu)
+    if layer is None:
+        return None
+    return layer, _autocast_dtype(), config.version, _tensor_print(input), _tensor_print(residual)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chains: a block's fused calls as one autograd node.
+
+
+class _ChainRun:
+    """One call of a chain: its layout, each pair's programs, cast dtype (or None), step cast
+    (or None) and momentum factor, and how many values come from outside."""
+
+    __slots__ = ("casts", "externals", "layout", "lows", "momenta", "programs", "weight_dtypes")
+
+    def __init__(self, layout, programs, lows, casts, momenta, externals) -> None:
+        self.layout, self.programs, self.lows = layout, programs, lows
+        self.casts, self.momenta, self.externals = casts, momenta, externals
+        self.weight_dtypes: list[torch.dtype] = []
+
+
+def _chain_forward(run: _ChainRun, tensors: tuple, saved: list | None) -> torch.Tensor:
+    """The chain's pairs one after another on ``tensors`` (the external values, then each pair's
+    weight, batch norm weight and bias, running mean and variance); what the backward needs is
+    appended to ``saved`` (seven per pair) where given, and intermediate values are dropped
+    after their last reader where not."""
+    count = run.externals
+    values: list[Any] = list(tensors[:count])
+    last = len(run.layout) - 1
+    for j, (source, residual, _) in enumerate(run.layout):
+        weight, bn_weight, bn_bias, rm, rv = tensors[count + 5 * j : count + 5 * j + 5]
+        (conv_program, bn_program), low, cast = run.programs[j], run.lows[j], run.casts[j]
+        w = cast if cast is not None else weight if low is None else weight.to(low)
+        x = values[source]
+        r = None if residual < 0 else values[residual]
+        h = conv_program[0](x, w, None)
+        y, workspace = bn_program[0](h, bn_weight, bn_bias, r, rm, rv, run.momenta[j])
+        if saved is not None:
+            saved += (x, w, h, bn_weight, bn_bias, workspace, y if bn_program[2] else None)
+        elif j < last:
+            for slot in (source, residual):  # no later pair reads an intermediate value again
+                if slot >= count and all(slot not in later[:2] for later in run.layout[j + 1 :]):
+                    values[slot] = None
+        values.append(y)
+    return values[-1]
+
+
+class _ConvBatchNormChain(torch.autograd.Function):
+    """A chain of ``_ConvBatchNorm``'s calls (a ResNet block's three or four) as one node:
+    the pairs' forwards in order, their backwards in reverse, the gradients of values read twice
+    (a block's input, by its first convolution and its skip) summed."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        saved: list = []
+        y = _chain_forward(run, tensors, saved)
+        ctx.save_for_backward(*saved)
+        ctx.run = run
+        ctx.weight_dtypes = [tensors[run.externals + 5 * j].dtype for j in range(len(run.layout))]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        run, saved, needs = ctx.run, ctx.saved_tensors, ctx.needs_input_grad[1:]
+        count, pairs = run.externals, len(run.layout)
+        # Whether each value (external, then each pair's output) needs a gradient.
+        wanted = list(needs[:count])
+        for j, (source, residual, _) in enumerate(run.layout):
+            wanted.append(
+                wanted[source]
+                or (residual >= 0 and wanted[residual])
+                or any(needs[count + 5 * j : count + 5 * j + 3])
+            )
+        grads: list[Any] = [None] * (count + pairs)
+        grads[-1] = dy
+        out: list[Any] = [None] * len(needs)
+        for j in reversed(range(pairs)):
+            dy_j = grads[count + j]
+            if dy_j is None:
+                continue
+            source, residual, _ = run.layout[j]
+            conv_program, bn_program = run.programs[j]
+            x, w, h, bn_weight, bn_bias, workspace, y = saved[7 * j : 7 * j + 7]
+            base = count + 5 * j
+            dh, dbn_w, dbn_b, dr = bn_program[1](
+                dy_j, h, bn_weight, bn_bias, workspace, y, needs[base + 1], needs[base + 2]
+            )
+            dx, dw, _ = conv_program[1](dh, x, w, wanted[source], needs[base], False, ctx.weight_dtypes[j])
+            out[base], out[base + 1], out[base + 2] = dw, dbn_w, dbn_b
+            for slot, grad in ((source, dx), (residual, dr)):
+                if slot >= 0 and grad is not None and wanted[slot]:
+                    grads[slot] = grad if grads[slot] is None else grads[slot] + grad
+        out[:count] = grads[:count]
+        return None, *out
+
+
+_apply_chain = raw_apply(_ConvBatchNormChain)
+
+
+def conv_batch_norm_chain(layout: tuple, *args: Any) -> torch.Tensor:
+    """Fused calls ``conv_batch_norm(conv, bn, value, residual value, relu)`` one after another,
+    each reading values from outside or earlier calls' outputs, as one autograd node; the last
+    call's output. ``layout``: per call (its input's slot, its residual's slot or -1, relu), the
+    slots being the external values in ``args`` (after a convolution and a batch norm per call),
+    then the calls' outputs. What patch-time fusion makes of a block's fused calls (fusion.py)."""
+    pairs = len(layout)
+    modules, values = args[: 2 * pairs], args[2 * pairs :]
+    key = _chain_print(layout, modules, values)
+    entry = _cached(modules[0], _CHAIN) if key is not None else None
+    if entry is None or entry[0] != key:
+        return _chain_apart(layout, modules, values, key)
+    step = _local.step
+    counts = None if step is None else step.counts
+    grad = torch.is_grad_enabled()
+    needs_grad = grad and any(v.requires_grad for v in values)
+    tensors = list(values)
+    momenta, casts = [], []
+    for j, low in enumerate(entry[2]):
+        conv, bn = modules[2 * j], modules[2 * j + 1]
+        rm, rv, bn_weight, bn_bias, _, momentum = bn._counted_statistics(counts)
+        weight = conv._parameters["weight"]
+        casts.append(None if low is None or step is None else step.cast_weight(conv, weight, low))
+        momenta.append(float(momentum))
+        tensors += (weight, bn_weight, bn_bias, rm, rv)
+        needs_grad = needs_grad or (
+            grad
+            and (
+                weight.requires_grad
+                or (bn_weight is not None and bn_weight.requires_grad)
+                or (bn_bias is not None and bn_bias.requires_grad)
+            )
+        )
+    run = _ChainRun(layout, entry[1], entry[2], casts, momenta, len(values))
+    if needs_grad:
+        return _apply_chain(run, *tensors)
+    return _chain_forward(run, tuple(tensors), None)
+
+
+def _chain_print(layout: tuple, modules: tuple, values: tuple) -> tuple | None:
+    if torch.compiler.is_compiling() or functorch_active():
+        return None
+    if any(type(v) not in PLAIN_TENSORS for v in values):
+        return None
+    layers = []
+    for j, (_, _, relu) in enumerate(layout):
+        layer = _layer_print(modules[2 * j], modules[2 * j + 1], relu)
+        if layer is None or layer[3] is None:
+            return None
+        layers.append(layer)
+    return layout, _autocast_dtype(), config.version, tuple(map(_tensor_print, values)), tuple(layers)
+
+
+def _chain_apart(layout: tuple, modules: tuple, values: tuple, key: tuple | None) -> torch.Tensor:
+    """The chain's calls one by one (each fused where the pair's fast path takes it); where every
+    call took its pair's fast path and the chain has a print, the chain's programs are kept
+    under it."""
+    outputs = list(values)
+    programs, lows = [], []
+    for j, (source, residual, relu) in enumerate(layout):
+        conv, bn = modules[2 * j], modules[2 * j + 1]
+        x, r = outputs[source], None if residual < 0 else outputs[residual]
+        call = _call_print(conv, bn, x, r, relu) if key is not None else None
+        outputs.append(conv_batch_norm(conv, bn, x, r, relu))
+        entry = _cached(conv, _PAIR) if call is not None else None
+        if entry is not None and entry[0] == call:
+            programs.append(entry[1])
+            lows.append(entry[2])
+    if key is not None and len(programs) == len(layout):
+        _store(modules[0], _CHAIN, (key, tuple(programs), tuple(lows)))
+    return outputs[-1]
 
 
 def _key(conv, bn, input, residual, relu) -> tuple | None:

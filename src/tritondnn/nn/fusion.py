@@ -11,7 +11,9 @@ such module's forward with torch.fx, its children left as calls (not traced into
 with x = conv(z) or not, and bn(conv(z)) alone, where nothing else reads the intermediate
 values, and replaces the module's forward with the rewritten graph: one autograd node instead of
 two to four, forward and backward, and no intermediate tensors between batch norm and ReLU
-(``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution).
+(``tdnn.batch_norm(..., activation="relu", residual=r)``; conv_bn.py for the convolution). A
+block's conv + batch norm calls that feed only each other (a projected skip's Sequential of the
+two among them) become one call, one autograd node for the block (``_rewrite_chains``).
 ``tdnn.nn.SyncBatchNorm`` takes the ReLU and the residual the same way (its finalize pass applies
 them between its collectives) but not the convolution before it. ``norm(a + b)`` of a
 tritondnn LayerNorm or RMSNorm becomes ``add_norm``: the norm and the sum, which nodes after the
@@ -55,7 +57,7 @@ from torch import fx, nn
 
 from ..core.library import dynamo_rules_built
 from .containers import Sequential
-from .conv_bn import conv_batch_norm
+from .conv_bn import conv_batch_norm, conv_batch_norm_chain
 from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_norm, relu_fusable_batch_norm
 
 # The marker on a module whose forward was replaced: unpatch deletes the instance attribute.
@@ -226,6 +228,91 @@ def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
         fused.append((str(node.target), pattern))
     graph.lint()
     return fused
+
+
+def _inline_skips(graph: fx.Graph, root: nn.Module) -> None:
+    """Calls of an Identity (gone: its input read instead) and of a tritondnn Sequential of a
+    Conv2d and a batch norm (and a ReLU), a ResNet block's skip, which its own forward would run
+    as one ``conv_batch_norm`` call: that call in the graph instead, where chains find it."""
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        module = root.get_submodule(node.target)
+        if _hooked(module):
+            continue
+        if type(module) is nn.Identity:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        children = list(module.children())
+        if type(module) is not Sequential or len(children) not in (2, 3) or any(map(_hooked, children)):
+            continue
+        relu = len(children) == 3
+        if type(children[0]) is not Conv2d or not fusable_batch_norm(children[1]):
+            continue
+        if relu and type(children[2]) is not ReLU:
+            continue
+        names = list(module._modules)
+        with graph.inserting_before(node):
+            conv, bn = (graph.get_attr(f"{node.target}.{name}") for name in names[:2])
+            call = graph.call_function(conv_batch_norm, (conv, bn, node.args[0], None, relu))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+
+
+def _closed(members: list[fx.Node]) -> bool:
+    """Whether only later members read the members' outputs (the last's aside)."""
+    inside = set(members)
+    return all(set(m.users) <= inside for m in members[:-1])
+
+
+def _rewrite_chains(graph: fx.Graph, root: nn.Module) -> None:
+    """Replace runs of ``conv_batch_norm`` calls (nothing but module references between them)
+    whose outputs only later calls of the run read, the last's aside, with one
+    ``conv_batch_norm_chain`` call: a ResNet block's three or four pairs as one autograd node.
+    A chain is a block's at most: the model's data-parallel wrappers see each block's gradients
+    when its node's backward returns."""
+    _inline_skips(graph, root)
+    runs, run = [], []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is conv_batch_norm:
+            run.append(node)
+        elif node.op != "get_attr":
+            runs.append(run)
+            run = []
+    runs.append(run)
+    for run in runs:
+        start = 0
+        while start < len(run) - 1:
+            end = next((e for e in range(len(run), start + 1, -1) if _closed(run[start:e])), None)
+            if end is None:
+                start += 1
+                continue
+            _replace_chain(graph, run[start:end])
+            start = end
+    graph.lint()
+
+
+def _replace_chain(graph: fx.Graph, members: list[fx.Node]) -> None:
+    produced = {m: j for j, m in enumerate(members)}
+    externals: list[fx.Node] = []
+    for m in members:
+        for value in m.args[2:4]:
+            if value is not None and value not in produced and value not in externals:
+                externals.append(value)
+
+    def slot(value: Any) -> int:
+        if value is None:
+            return -1
+        return len(externals) + produced[value] if value in produced else externals.index(value)
+
+    layout = tuple((slot(m.args[2]), slot(m.args[3]), m.args[4]) for m in members)
+    modules = [ref for m in members for ref in m.args[:2]]
+    with graph.inserting_before(members[-1]):
+        call = graph.call_function(conv_batch_norm_chain, (layout, *modules, *externals))
+    members[-1].replace_all_uses_with(call)
+    for m in reversed(members):
+        graph.erase_node(m)
 
 
 def _add_norm_operands(
@@ -400,6 +487,8 @@ def fuse_norms(
             skipped.append((name, type(module).__name__, why))
             continue
         sites = _rewrite(graph, module)
+        if any(pattern.startswith("conv+") for _, pattern in sites):
+            _rewrite_chains(graph, module)
         if _straight_line(module):
             sites += _rewrite_add_norm(graph, module)
         if not sites:

@@ -207,7 +207,12 @@ class _BatchNormMixin:
         """F.batch_norm's arguments for this call; counts the batch (num_batches_tracked), or
         with a fixed momentum appends the counter to ``counts`` for the caller to add one later."""
         self._check_input_dim(input)
-        rm, rv, weight, bias, batch_stats = _BatchNormMixin._statistics(self)
+        return (input, *_BatchNormMixin._counted_statistics(self, counts), self.eps)
+
+    def _counted_statistics(self, counts: list[torch.Tensor] | None = None) -> tuple:
+        """``_batch_norm_args`` without the input or its check, for callers that checked the input
+        before: (running_mean, running_var, weight, bias, batch_stats, momentum factor)."""
+        running_mean, running_var, weight, bias, batch_stats = _BatchNormMixin._statistics(self)
         batches = _bn_state(self)[4]
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and batches is not None:
@@ -216,7 +221,7 @@ class _BatchNormMixin:
             else:
                 batches.add_(1)
                 factor = 1.0 / float(batches) if self.momentum is None else self.momentum
-        return (input, rm, rv, weight, bias, batch_stats, factor, self.eps)
+        return running_mean, running_var, weight, bias, batch_stats, factor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Named through the class: SyncBatchNorm borrows this forward without the mixin.

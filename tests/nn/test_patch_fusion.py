@@ -490,12 +490,12 @@ def test_block_runs_as_one_chain_node(node_calls):
     seen = []
     ours.conv2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     calls = len(node_calls)
-    assert_close(ours(x), model(x), what="hooked")
+    assert_close(ours(x), wide(x.double()), model(x), "hooked")
     assert seen == [(2, 3, 4, 3)] and len(node_calls) == calls + 3  # the other three pairs
     twin = copy.deepcopy(ours)
     assert twin.conv1.__dict__[conv_bn._CHAIN].entry is None
     for _ in range(3):
-        assert_close(twin(x), model(x), what="copy")
+        assert_close(twin(x), wide(x.double()), model(x), "copy")
     pickle.dumps(ours.conv1.__dict__[conv_bn._CHAIN])
 
 

@@ -370,6 +370,72 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     assert not ours._forward_pre_hooks and not ours._forward_hooks and "_tdnn_cast_plan" not in vars(ours)
 
 
+class Products(nn.Module):
+    """Linear layers, two in a Sequential with a GELU between; ``between``, where set, is called
+    after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 12)
+        self.mlp = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 4))
+        self.between = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.between is not None:
+            self.between()
+        return self.mlp(self.b(y))
+
+
+def test_fused_step_casts_product_weights_once(monkeypatch):
+    """Under autocast a fused model's forward casts its products' weights in one launch from its
+    second forward on (they join the plan as the first casts them one by one): outputs and
+    gradients equal to the model patched without fusion (casts one by one) over training steps
+    (SGD changes the weights in place between forwards); a weight changed in place within a
+    forward, after the launch, is cast again by its product; a weight replaced by a new
+    parameter joins the next forward's launch."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    cast_weights = []
+    real_cast = conv_bn._CastPlan.cast_all
+
+    def cast_all(plan, *args):
+        casts = real_cast(plan, *args)
+        cast_weights.append(len(casts.weights))
+        return casts
+
+    monkeypatch.setattr(conv_bn._CastPlan, "cast_all", cast_all)
+    torch.manual_seed(0)
+    model = Products().to(DEVICE)
+    ours, apart = copy.deepcopy(model), copy.deepcopy(model)
+    tnn.patch(ours, fuse=True)
+    tnn.patch(apart)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, apart)]
+    for step in range(5):
+        x = randn(6, 8)
+        runs = []
+        for m, opt in zip((ours, apart), optimizers):
+            if step == 2:  # in place, after the step's launch read the weight
+                m.between = lambda m=m: torch.no_grad()(m.b.weight.mul_)(0.5)
+            elif step == 3:
+                m.between = None
+                m.a.weight = nn.Parameter(m.a.weight.detach() * 2)  # same layout, a new tensor
+                opt.param_groups[0]["params"][0] = m.a.weight
+            with torch.autocast(DEVICE.split(":")[0], dtype=low):
+                out, grads = _run(m, x, step)
+            runs.append((out, grads))
+            for p, g in zip((p for p in m.parameters() if p.requires_grad), grads[1:]):
+                p.grad = g
+            opt.step()
+        (got, dgot), (same, dsame) = runs
+        assert torch.equal(got, same), f"step {step} output"
+        for i, (a, b) in enumerate(zip(dgot, dsame)):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"step {step} gradient {i}"
+    # The first forward casts one by one; then the four weights in one launch, at step 3 the
+    # old parameter's place among them (the new one cast alone), at step 4 the new one's.
+    assert cast_weights == [4, 4, 4, 4]
+    assert conv_bn.step_casts.table is None and conv_bn.step_casts.seen is None
+
+
 def test_fused_step_after_an_interrupted_forward(node_calls):
     """A KeyboardInterrupt skips the hook that closes the step (PyTorch runs it on Exception
     only): the model's next forward adds the open step's counts and starts a new one, casting
@@ -419,7 +485,7 @@ def test_cast_plan_casts_every_weight_through_its_table():
     for conv in convs:
         plan.learn(conv)
     for step in range(2):
-        casts = plan.cast_all(low, convs[0].weight)
+        casts = plan.cast_all(low, convs[0].weight.device)
         for conv in convs[:3]:
             view = casts.get(conv, conv.weight, low)
             assert view.stride() == conv.weight.stride() and view.data_ptr() % 16 == 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -96,6 +97,42 @@ def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         _, version, ptr, low = entry
         if low.dtype == dtype and t._version == version and t.data_ptr() == ptr:
             return low
+    return t.to(dtype)
+
+
+class _StepCasts(threading.local):
+    """A patched model's open step (nn/conv_bn.py's ``_Step``) and the products' weights: the
+    casts it made ahead of the forward, in one launch, and the weights its products cast, which
+    its next forward casts that way. Per thread (DataParallel's replicas)."""
+
+    # id(weight) -> (weight, its version, address, shape and strides when cast, the buffer
+    # holding the cast, its offset there)
+    table: dict[int, tuple] | None = None
+    seen: list[torch.Tensor] | None = None  # None: no step open
+
+
+step_casts = _StepCasts()
+
+
+def lowered_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` for a product's weight: the open step's cast where it made one of ``t`` as
+    ``t`` is now (same tensor, version counter, address, shape and strides: a write through
+    ``.data`` goes unseen, as by autograd's checks), else a cast; a parameter's (an fp32 leaf
+    that requires grad) is noted for the step's next forwards."""
+    state = step_casts
+    seen = state.seen
+    if seen is None:
+        return t.to(dtype)
+    table = state.table
+    if table is not None:
+        entry = table.get(id(t))
+        if entry is not None and entry[0] is t and entry[1] == t._version and entry[2] == t.data_ptr():
+            _, _, _, shape, strides, flat, offset = entry
+            if flat.dtype == dtype and t.shape == shape and t.stride() == strides:
+                seen.append(t)
+                return flat.as_strided(shape, strides, offset)
+    if t.is_leaf and t.requires_grad and t.dtype == torch.float32:
+        seen.append(t)
     return t.to(dtype)
 
 

@@ -29,6 +29,7 @@ of each in a ResNet-50 step; ``torch._foreach_copy_`` from fp32 to bf16 took 0.9
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.autocast import _any_autocast
+from ..core.autocast import _any_autocast, step_casts
 from ..core.backend import DEVICE_TYPE
 from ..core.config import config
 from ..core.launcher import cdiv, launcher
@@ -445,11 +446,14 @@ _CAST_BLOCK = 4096
 class _Casts:
     """One step's cast weights: views of ``flat`` made as the calls ask for them."""
 
-    __slots__ = ("flat", "places")
+    __slots__ = ("flat", "places", "weights")
 
-    def __init__(self, flat: torch.Tensor, places: dict[int, tuple]) -> None:
+    def __init__(self, flat: torch.Tensor, places: dict[int, tuple], weights: tuple = ()) -> None:
         self.flat = flat
-        self.places = places  # id(conv) -> (weight, (address, shape, strides), offset)
+        # id(conv), or id(weight) for the products' weights -> (weight, (address, shape,
+        # strides), offset)
+        self.places = places
+        self.weights = weights  # the products' weights among them
 
     def get(self, conv: torch.nn.Module, weight: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
         """The cast of ``weight``, or None where the step's launch did not cast it as it is now:
@@ -470,20 +474,23 @@ _NO_CASTS = _Casts(torch.empty(0), {})
 
 
 class _CastPlan:
-    """The convolutions whose weights a model's forward casts in one launch (kept on the model):
-    those its earlier forwards ran fused under autocast, and the table the launch reads (made
-    again when a convolution joins or a weight's tensor or storage changes)."""
+    """The weights a model's forward casts in one launch (kept on the model): those of the
+    convolutions its earlier forwards ran fused under autocast and of the products (``linear``)
+    its previous forward cast (``core.autocast.lowered_weight``), and the table the launch reads
+    (made again when a weight joins or leaves, or a weight's tensor or storage changes)."""
 
     def __init__(self, owner: int | None = None) -> None:
         self.owner = owner  # id() of the model it is kept on
         self.convs: list[torch.nn.Module] = []
         self.known: set[int] = set()
+        self.weights: dict[int, weakref.ref] = {}  # the products' weights, by id
         self.sources: list[torch.Tensor | None] = []
         self.signatures: tuple = ()
         self.places: dict[int, tuple] = {}
         self.table: torch.Tensor | None = None
         self.table_kept = False
         self.total = self.blocks = 0
+        self.product_weights: tuple = ()
         self.launches: dict[torch.dtype, Callable[..., None]] = {}
 
     def __getstate__(self) -> dict:
@@ -497,24 +504,38 @@ class _CastPlan:
             self.known.add(id(conv))
             self.convs.append(conv)
 
-    def cast_all(self, low: torch.dtype, like: torch.Tensor) -> _Casts:
-        """This step's casts of the plan's weights that are dense fp32 tensors on ``like``'s
-        device, each at a 128-byte boundary of one new buffer (the convolutions' tensor
-        descriptors need 16)."""
+    def learn_weights(self, weights: list[torch.Tensor]) -> None:
+        """The products' weights the last forward cast (through the launch or on their own): the
+        ones the next forward's launch casts."""
+        self.weights = {id(w): weakref.ref(w) for w in weights}
+
+    def cast_all(self, low: torch.dtype, device: torch.device | None = None) -> _Casts:
+        """This step's casts of the plan's weights that are dense fp32 tensors on ``device`` (the
+        first weight's where None), each at a 128-byte boundary of one new buffer (the
+        convolutions' tensor descriptors need 16)."""
+        for key, ref in list(self.weights.items()):
+            if ref() is None:
+                del self.weights[key]
+        owners = [id(conv) for conv in self.convs] + list(self.weights)
         sources = [conv._parameters.get("weight") for conv in self.convs]
+        sources += [ref() for ref in self.weights.values()]
+        if device is None:
+            device = next((w.device for w in sources if w is not None), None)
+            if device is None:
+                return _NO_CASTS
         signatures = tuple(None if w is None else _signature(w) for w in sources)
         fresh = (
             len(sources) == len(self.sources)
             and all(a is b for a, b in zip(sources, self.sources))
             and signatures == self.signatures
             and self.table is not None
-            and self.table.device == like.device
+            and self.table.device == device
         )
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not (fresh and low in self.launches):
             return _NO_CASTS  # no table upload or kernel build while a graph is captured
         if not fresh:
-            self._build(sources, signatures, like.device)
+            self._build(owners, sources, signatures, device)
         if not self.places:
             return _NO_CASTS
         if capturing and not self.table_kept:
@@ -525,21 +546,25 @@ class _CastPlan:
             count = len(self.places)
             consts = (_CAST_BLOCK, triton.next_power_of_2(count))
             launch = self.launches[low] = launcher(_cast_many_kernel, (self.blocks,), 2, (count,), consts)
-        flat = torch.empty(self.total, dtype=low, device=like.device)
+        flat = torch.empty(self.total, dtype=low, device=device)
         launch(self.table, flat)
-        return _Casts(flat, self.places)
+        return _Casts(flat, self.places, self.product_weights)
 
-    def _build(self, sources: list, signatures: tuple, device: torch.device) -> None:
+    def _build(self, owners: list, sources: list, signatures: tuple, device: torch.device) -> None:
         rows: list[tuple[int, int, int, int]] = []
         self.places = {}
+        products = []
         offset = blocks = 0
-        for conv, w, signature in zip(self.convs, sources, signatures):
+        for i, (owner, w, signature) in enumerate(zip(owners, sources, signatures)):
             if w is None or w.dtype != torch.float32 or w.device != device or not _dense(w):
                 continue
             rows.append((blocks, w.data_ptr(), offset, w.numel()))
-            self.places[id(conv)] = (w, signature, offset)
+            self.places[owner] = (w, signature, offset)
+            if i >= len(self.convs):
+                products.append((w, offset))
             offset += cdiv(w.numel(), 64) * 64
             blocks += cdiv(w.numel(), _CAST_BLOCK)
+        self.product_weights = tuple(products)
         self.sources, self.signatures, self.total, self.blocks = sources, signatures, offset, blocks
         self.launches = {}
         self.table = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(device) if rows else None
@@ -578,15 +603,34 @@ class _Step:
         """``weight`` in ``low`` from the step's cast, or None (cast it alone): a convolution the
         plan did not have (it will next time) or whose weight changed since the cast."""
         if self.casts is None:
-            self.casts = self.plan.cast_all(low, weight)
+            self.casts = self.plan.cast_all(low, weight.device)
         cast = self.casts.get(conv, weight, low)
         if cast is None:
             self.plan.learn(conv)
         return cast
 
+    def open(self) -> None:
+        """Under autocast, casts the plan's weights now (the products read theirs through
+        ``core.autocast.lowered_weight``, which notes the weights they cast)."""
+        step_casts.seen = []
+        low = _autocast_dtype()
+        if low is None or not (self.plan.convs or self.plan.weights):
+            return
+        casts = self.casts = self.plan.cast_all(low)
+        if casts.weights:
+            step_casts.table = {
+                id(w): (w, w._version, w.data_ptr(), w.shape, w.stride(), casts.flat, offset)
+                for w, offset in casts.weights
+            }
+
     def finish(self) -> None:
         """Adds one to every counter left to the step (one launch; one per counter where a batch
-        norm ran more than once, which the multi-tensor add must not see twice)."""
+        norm ran more than once, which the multi-tensor add must not see twice); the products'
+        weights cast in this forward become the plan's."""
+        seen = step_casts.seen
+        step_casts.table = step_casts.seen = None
+        if seen is not None and (seen or self.plan.weights):
+            self.plan.learn_weights(seen)
         counts, self.counts = self.counts, []
         if not counts:
             return
@@ -622,7 +666,8 @@ def enter_step(model: torch.nn.Module, *_: object) -> None:
     plan = model.__dict__.get("_tdnn_cast_plan")
     if plan is None or plan.owner != id(model):  # new, or a copy's (DataParallel's replicas)
         plan = model.__dict__["_tdnn_cast_plan"] = _CastPlan(id(model))
-    _local.step = _Step(model, plan)
+    step = _local.step = _Step(model, plan)
+    step.open()
 
 
 def exit_step(model: torch.nn.Module, *_: object) -> None:

@@ -101,8 +101,11 @@ def patch(
             residual add between them (a ResNet block's ``relu(bn(conv(x)))`` and
             ``relu(bn(conv(y)) + x)``), or an add into a LayerNorm or RMSNorm (``norm2(x +
             attn(norm1(x)))``), to run each chain as one autograd node; see
-            ``tritondnn.nn.fusion`` for what tracing fixes. Patched ``Sequential`` containers
-            fuse Conv2d + BatchNorm (+ ReLU) and BatchNorm + ReLU either way.
+            ``tritondnn.nn.fusion`` for what tracing fixes; a block's conv + batch norm
+            pairs run as one node. Patched ``Sequential`` containers fuse Conv2d + BatchNorm
+            (+ ReLU) and BatchNorm + ReLU either way. Under autocast, each forward of the model
+            casts the fp32 weights of its fused convolutions and of its linear layers in one
+            launch as it begins (those the previous forward used).
 
     Returns:
         A ``PatchReport``: what was replaced, and what was skipped and why (excluded, a user

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...core.autocast import LOWER, autocast_policy, lowered
+from ...core.autocast import LOWER, autocast_policy, lowered, lowered_weight
 from ...core.checks import FLOAT_DTYPES, check_dtype, check_tensor
 from ...core.config import config
 from ...core.library import eager_tensor
@@ -243,7 +243,7 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
                      cast: torch.dtype | None = None) -> _T:  # fmt: skip
                 # Only data pointers matter here: ``y`` may be B or the tensor B transposes.
                 if cast is not None:  # autocast's, as ``_linear_autocast`` has them made here
-                    x, y = lowered(x, cast), y.to(cast)
+                    x, y = lowered(x, cast), lowered_weight(y, cast)
                 return run(x, y, None, bias, None, None, None, 1.0, 0.0, p0, p1)[0].view(shape)
 
         elif input.ndim > 1 and other.ndim > 1:

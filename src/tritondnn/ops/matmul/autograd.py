@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.autocast import lowered
+from ...core.autocast import lowered, lowered_weight
 from ...core.library import direct_call, functorch_active, raw_apply
 from .engines import padded_rows
 from .library import _epilogue_backward, _forward
@@ -141,7 +141,7 @@ class _MatmulFunction(torch.autograd.Function):
         ctx.grad_dtypes = None
         if cast is not None:
             ctx.grad_dtypes = (a.dtype, b.dtype)
-            a, b = lowered(a, cast), b.to(cast)
+            a, b = lowered(a, cast), lowered_weight(b, cast)
         x, y = a, b
         ctx.plan = plan
         if plan is None:  # with a plan, the launches read only data pointers: no views needed

@@ -92,6 +92,8 @@ def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``: the copy ``attach_lowered`` keeps, where it is ``t``'s in that dtype and
     ``t`` is unchanged since, else a cast. The copy may be handed to several consumers (q, k and v
     projections of one norm's output): they must not write to it."""
+    if t.dtype == dtype:
+        return t  # what ``t.to(dtype)`` returns, without its call (a product's input often is)
     entry = _lowered[0]
     if entry is not None and entry[0]() is t:
         _, version, ptr, low = entry

@@ -409,3 +409,49 @@ def test_sequential_keeps_hooked_modules_apart():
     model[1].register_forward_hook(lambda m, i, o: seen.append(o))
     out = model(randn(2, 6))
     assert len(seen) == 1 and torch.equal(seen[0], out)  # the GELU ran on its own, its hook saw it
+
+
+def test_linear_repeat_calls_follow_their_print(monkeypatch):
+    """A Linear's repeat calls run the linear family's cached call through the print kept on the
+    module (``layers.linear_call``): outputs and gradients equal to ``tdnn.linear``'s on the same
+    tensors as autocast, grad mode, requires_grad, the input's layout, the module's dtype and
+    its weight change; each change's first call goes the family's way again, its second not."""
+    from helpers import ON_GPU
+    from tritondnn.nn import layers
+
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    device = DEVICE.split(":")[0]
+    slow = []
+    real = layers.run_or_fallback
+    monkeypatch.setattr(layers, "run_or_fallback", lambda *a: slow.append(1) or real(*a))
+    torch.manual_seed(0)
+    m = nn.Linear(8, 6).to(DEVICE)
+    tnn.patch(m)
+
+    def check(what, x, autocast=False, grad=True):
+        for call in range(2):
+            before = len(slow)
+            leaves = [t for t in (x, m.weight, m.bias) if t.requires_grad]
+            runs = []
+            for f in (m, lambda t: tdnn.linear(t, m.weight, m.bias)):
+                with torch.autocast(device, dtype=low, enabled=autocast), torch.set_grad_enabled(grad):
+                    y = f(x)
+                dy = torch.ones_like(y)
+                grads = torch.autograd.grad(y, leaves, dy) if grad and leaves else ()
+                runs.append((y, grads))
+            (got, dgot), (want, dwant) = runs
+            assert torch.equal(got, want) and all(map(torch.equal, dgot, dwant)), f"{what} call {call}"
+            assert len(slow) - before == (1 if call == 0 else 0), f"{what} call {call}: cached path"
+
+    x = randn(5, 8).requires_grad_(True)
+    check("fp32", x)
+    check("autocast", x, autocast=True)
+    check("no_grad", x, grad=False)
+    check("strided input", randn(8, 5).t().requires_grad_(True))
+    m.weight.requires_grad_(False)
+    check("frozen weight", x)
+    m.weight.requires_grad_(True)
+    m.weight = nn.Parameter(randn(6, 8).t().contiguous().t())  # another layout
+    check("new weight", x)
+    m.double()
+    check("fp64", x.detach().double().requires_grad_(True))

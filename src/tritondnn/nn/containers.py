@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops
 from .conv_bn import conv_batch_norm
 from .layers import (
     GELU,
@@ -19,9 +18,9 @@ from .layers import (
     Tanh,
     _hooked,
     fusable_batch_norm,
+    linear_call,
     on_backend,
     relu_fusable_batch_norm,
-    run_or_fallback,
 )
 
 
@@ -37,12 +36,7 @@ _EPILOGUE_ACTIVATIONS: dict[type, str] = {ReLU: "relu", SiLU: "silu", Sigmoid: "
 
 
 def _linear_activation(linear: nn.Linear, then: nn.Module, activation: str, x: torch.Tensor) -> torch.Tensor:
-    return run_or_fallback(
-        linear,
-        x,
-        lambda: ops.matmul.linear(x, linear.weight, linear.bias, activation=activation),
-        lambda: then(nn.Linear.forward(linear, x)),
-    )
+    return linear_call(linear, x, activation, lambda: then(nn.Linear.forward(linear, x)))
 
 
 def _relu(module: nn.Module | None) -> bool:

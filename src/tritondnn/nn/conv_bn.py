@@ -44,6 +44,7 @@ from ..core.launcher import cdiv, launcher
 from ..core.library import PLAIN_TENSORS, functorch_active, raw_apply
 from ..ops.conv import eager as conv_eager
 from ..ops.norm import batch as batch_ops
+from .cache import autocast_dtype, cached, store, tensor_print
 from .layers import Conv2d, _bn_state, _hooked, fusable_batch_norm, on_backend
 
 
@@ -93,7 +94,7 @@ def conv_batch_norm(
     """``relu(bn(conv(input)) + residual)`` (without the residual where None, without the ReLU
     where ``relu`` is False), fused where the fast path takes the call."""
     call = _call_print(conv, bn, input, residual, relu)
-    entry = _cached(conv, _PAIR) if call is not None else None
+    entry = cached(conv, _PAIR) if call is not None else None
     if entry is not None and entry[0] == call:
         return _run_pair(conv, bn, input, residual, entry[1], entry[2], conv._parameters["weight"])
     key = _key(conv, bn, input, residual, relu)
@@ -105,7 +106,7 @@ def conv_batch_norm(
             _remember(key, bn, h, residual, relu)
         return y
     if call is not None and call[0][3] is not None:  # the weight was read from its dict
-        _store(conv, _PAIR, (call, programs, key[1]))
+        store(conv, _PAIR, (call, programs, key[1]))
     return _run_pair(conv, bn, input, residual, programs, key[1], conv.weight)
 
 
@@ -141,44 +142,6 @@ _PAIR = "_tdnn_conv_bn"  # a convolution's last fused call: (print, programs, lo
 _CHAIN = "_tdnn_conv_bn_chain"  # on a chain's first convolution: (print, programs, lows)
 
 
-class _Slot:
-    """A module's cached entry (in its ``__dict__``, past ``nn.Module.__setattr__``); copies and
-    pickles of the module start empty (the programs hold launchers)."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self) -> None:
-        self.entry: tuple | None = None
-
-    def __reduce__(self) -> tuple:
-        return _Slot, ()
-
-    def __deepcopy__(self, memo: dict) -> _Slot:
-        return _Slot()
-
-
-def _cached(module: torch.nn.Module, name: str) -> tuple | None:
-    slot = module.__dict__.get(name)
-    return None if slot is None else slot.entry
-
-
-def _store(module: torch.nn.Module, name: str, entry: tuple) -> None:
-    slot = module.__dict__.get(name)
-    if slot is None:
-        slot = module.__dict__[name] = _Slot()
-    slot.entry = entry  # one assignment: DataParallel's replicas share the slot
-
-
-def _tensor_print(t: Any) -> tuple | None:
-    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
-
-
-def _autocast_dtype() -> torch.dtype | None:
-    if _any_autocast() and torch.is_autocast_enabled(DEVICE_TYPE):
-        return torch.get_autocast_dtype(DEVICE_TYPE)
-    return None
-
-
 def _layer_print(conv: torch.nn.Module, bn: torch.nn.Module, relu: bool) -> tuple | None:
     """The pair's part of a print (its modules' classes, settings and tensors' specs), or None
     where hooks would see the modules' calls."""
@@ -187,10 +150,10 @@ def _layer_print(conv: torch.nn.Module, bn: torch.nn.Module, relu: bool) -> tupl
     rm, rv, weight, bias, batches = _bn_state(bn)
     params = conv._parameters
     return (
-        type(conv), type(bn), relu, _tensor_print(params.get("weight")), params.get("bias") is None,
+        type(conv), type(bn), relu, tensor_print(params.get("weight")), params.get("bias") is None,
         conv.stride, conv.padding, conv.dilation, conv.groups, conv.padding_mode,
         bn.training, bn.track_running_stats, bn.eps, batches is None,
-        _tensor_print(rm), _tensor_print(rv), _tensor_print(weight), _tensor_print(bias),
+        tensor_print(rm), tensor_print(rv), tensor_print(weight), tensor_print(bias),
     )  # fmt: skip
 
 
@@ -204,7 +167,7 @@ def _call_print(conv, bn, input, residual, relu) -> tuple | None:
     layer = _layer_print(conv, bn, relu)
     if layer is None:
         return None
-    return layer, _autocast_dtype(), config.version, _tensor_print(input), _tensor_print(residual)
+    return layer, autocast_dtype(), config.version, tensor_print(input), tensor_print(residual)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,12 +178,11 @@ class _ChainRun:
     """One call of a chain: its layout, each pair's programs, cast dtype (or None), step cast
     (or None) and momentum factor, and how many values come from outside."""
 
-    __slots__ = ("casts", "externals", "layout", "lows", "momenta", "programs", "weight_dtypes")
+    __slots__ = ("casts", "externals", "layout", "lows", "momenta", "programs")
 
     def __init__(self, layout, programs, lows, casts, momenta, externals) -> None:
         self.layout, self.programs, self.lows = layout, programs, lows
         self.casts, self.momenta, self.externals = casts, momenta, externals
-        self.weight_dtypes: list[torch.dtype] = []
 
 
 def _chain_forward(run: _ChainRun, tensors: tuple, saved: list | None) -> torch.Tensor:
@@ -310,7 +272,7 @@ def conv_batch_norm_chain(layout: tuple, *args: Any) -> torch.Tensor:
     pairs = len(layout)
     modules, values = args[: 2 * pairs], args[2 * pairs :]
     key = _chain_print(layout, modules, values)
-    entry = _cached(modules[0], _CHAIN) if key is not None else None
+    entry = cached(modules[0], _CHAIN) if key is not None else None
     if entry is None or entry[0] != key:
         return _chain_apart(layout, modules, values, key)
     step = _local.step
@@ -351,7 +313,7 @@ def _chain_print(layout: tuple, modules: tuple, values: tuple) -> tuple | None:
         if layer is None or layer[3] is None:
             return None
         layers.append(layer)
-    return layout, _autocast_dtype(), config.version, tuple(map(_tensor_print, values)), tuple(layers)
+    return layout, autocast_dtype(), config.version, tuple(map(tensor_print, values)), tuple(layers)
 
 
 def _chain_apart(layout: tuple, modules: tuple, values: tuple, key: tuple | None) -> torch.Tensor:
@@ -365,12 +327,12 @@ def _chain_apart(layout: tuple, modules: tuple, values: tuple, key: tuple | None
         x, r = outputs[source], None if residual < 0 else outputs[residual]
         call = _call_print(conv, bn, x, r, relu) if key is not None else None
         outputs.append(conv_batch_norm(conv, bn, x, r, relu))
-        entry = _cached(conv, _PAIR) if call is not None else None
+        entry = cached(conv, _PAIR) if call is not None else None
         if entry is not None and entry[0] == call:
             programs.append(entry[1])
             lows.append(entry[2])
     if key is not None and len(programs) == len(layout):
-        _store(modules[0], _CHAIN, (key, tuple(programs), tuple(lows)))
+        store(modules[0], _CHAIN, (key, tuple(programs), tuple(lows)))
     return outputs[-1]
 
 
@@ -613,7 +575,7 @@ class _Step:
         """Under autocast, casts the plan's weights now (the products read theirs through
         ``core.autocast.lowered_weight``, which notes the weights they cast)."""
         step_casts.seen = []
-        low = _autocast_dtype()
+        low = autocast_dtype()
         if low is None or not (self.plan.convs or self.plan.weights):
             return
         casts = self.casts = self.plan.cast_all(low)

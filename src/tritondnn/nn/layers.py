@@ -22,8 +22,10 @@ from torch import nn
 
 from .. import ops
 from ..core.backend import ON_DEVICE_ATTR
+from ..core.config import config
 from ..core.errors import NotSupportedError
 from ..core.library import PLAIN_TENSORS as _PLAIN
+from . import cache
 
 _warned: set[str] = set()
 
@@ -156,12 +158,73 @@ class Linear(nn.Linear):
     """``torch.nn.Linear`` through ``tdnn.linear``."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return run_or_fallback(
-            self,
-            input,
-            lambda: ops.matmul.linear(input, self.weight, self.bias),
-            lambda: nn.Linear.forward(self, input),
-        )
+        return linear_call(self, input, None, lambda: nn.Linear.forward(self, input))
+
+
+_LINEAR = "_tdnn_linear"  # a Linear's last cached call: (print, the matmul family's call, p0, p1, cast)
+
+
+def linear_call(
+    module: nn.Linear, input: torch.Tensor, activation: str | None, theirs: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``tdnn.linear(input, module.weight, module.bias, activation=activation)`` (``theirs()``
+    where ``run_or_fallback`` falls back). The call the linear family cached for such a call
+    (``ops.matmul._eager``) is kept on the module with the call's print (``nn.cache``) and run
+    directly while the print matches: the autocast wrapper, the argument checks and the
+    family's key, all of whose inputs the print holds, stay out of the way (about 10 us of a
+    GPT-2 layer's product on a 2-core host)."""
+    mark = _linear_print(module, input, activation)
+    entry = cache.cached(module, _LINEAR) if mark is not None else None
+    if entry is not None and entry[0] == mark:
+        params = module._parameters
+        return entry[1](input, params["weight"], params["bias"], entry[2], entry[3], True, entry[4])
+    out = run_or_fallback(
+        module,
+        input,
+        lambda: ops.matmul.linear(input, module.weight, module.bias, activation=activation),
+        theirs,
+    )
+    if mark is not None:
+        cast, grad, version = mark[:3]
+        weight, bias = module._parameters["weight"], module._parameters["bias"]
+        bias_spec = None if bias is None else (bias.shape, bias.stride(), bias.dtype)
+        key = (
+            "linear", grad, version, input.shape, input.stride(), input.dtype,
+            weight.shape, weight.stride(), weight.dtype, bias_spec, activation, (), cast,
+        )  # fmt: skip
+        fast = ops.matmul._eager.get(key)
+        if fast is not None:
+            cache.store(module, _LINEAR, (mark, fast, *ops.matmul._params(activation, ()), cast))
+    return out
+
+
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tuple | None:
+    """What the family's key for the call and its autocast wrapper's choice read: (the dtype
+    input and weight are cast to inside the op or None, whether autograd records it, config
+    version, ...); None where the call is not cached (tracing, a tensor subclass, autocast
+    casting the arguments before the op)."""
+    if torch.compiler.is_compiling() or type(input) not in _PLAIN:
+        return None
+    params = module._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None:
+        return None
+    cast = cache.autocast_dtype()
+    if cast is not None:
+        if input.dtype not in _AUTOCAST_CASTABLE or weight.dtype not in _AUTOCAST_CASTABLE:
+            return None
+        if input.dtype == cast and weight.dtype == cast and (bias is None or bias.dtype == cast):
+            return None
+    grad = torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return (
+        cast, grad, config.version, activation, type(module),
+        cache.tensor_print(input), cache.tensor_print(weight), cache.tensor_print(bias),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

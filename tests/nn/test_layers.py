@@ -415,7 +415,10 @@ def test_linear_repeat_calls_follow_their_print(monkeypatch):
     """A Linear's repeat calls run the linear family's cached call through the print kept on the
     module (``layers.linear_call``): outputs and gradients equal to ``tdnn.linear``'s on the same
     tensors as autocast, grad mode, requires_grad, the input's layout, the module's dtype and
-    its weight change; each change's first call goes the family's way again, its second not."""
+    its weight change; each change's first call goes the family's way again, its second not.
+    Calls off the backend's device and a bias that is not a parameter are not cached."""
+    import torch.nn.utils.prune as prune
+
     from helpers import ON_GPU
     from tritondnn.nn import layers
 
@@ -455,3 +458,12 @@ def test_linear_repeat_calls_follow_their_print(monkeypatch):
     check("new weight", x)
     m.double()
     check("fp64", x.detach().double().requires_grad_(True))
+    # An input off the backend's device runs torch's forward, and nothing is kept for it.
+    meta = copy.deepcopy(m).to("meta")
+    for _ in range(2):
+        assert meta(torch.empty(5, 8, dtype=torch.float64, device="meta")).device.type == "meta"
+    # A bias that is no longer a parameter (pruning's): each call reads it as the module has it.
+    prune.l1_unstructured(m, "bias", amount=0.5)
+    xd = x.detach().double()
+    for _ in range(2):
+        assert_close(m(xd), nn.functional.linear(xd, m.weight, m.bias), what="pruned bias")

@@ -434,6 +434,29 @@ def test_fused_step_casts_product_weights_once(monkeypatch):
     # old parameter's place among them (the new one cast alone), at step 4 the new one's.
     assert cast_weights == [4, 4, 4, 4]
     assert conv_bn.step_casts.table is None and conv_bn.step_casts.seen is None
+    # Without autograd nothing keeps the casts: each product casts its own, freed after it.
+    with torch.no_grad(), torch.autocast(DEVICE.split(":")[0], dtype=low):
+        assert torch.equal(ours(x), apart(x))
+    assert cast_weights == [4, 4, 4, 4]
+
+
+def test_fused_step_sees_weights_written_in_place_within_the_forward(node_calls):
+    """A weight written in place during the forward, after the step's launch cast it (here
+    between the block's two calls), is cast again by its call: the version counter moved."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    torch.manual_seed(0)
+    model = Twice().to(DEVICE).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours, fuse=True)
+    for m in (ours, model):
+        m.between = lambda m=m: torch.no_grad()(m.block.conv1.weight.mul_)(-1)
+    x = randn(2, 8, 6, 5, dtype=low).contiguous(memory_format=torch.channels_last)
+    for step in range(4):
+        # Without autocast's cache, whose casts of leaf tensors do not see in-place writes.
+        with torch.autocast(DEVICE.split(":")[0], dtype=low, cache_enabled=False):
+            got, want = ours(x), model(x)
+        assert_close(got, want, what=f"step {step}")
+    assert sum(node_calls) >= 8  # fused from the second forward on
 
 
 def test_fused_step_after_an_interrupted_forward(node_calls):
@@ -492,7 +515,19 @@ def test_cast_plan_casts_every_weight_through_its_table():
             assert torch.equal(view, conv.weight.detach().to(low)), f"step {step}"
         assert casts.get(convs[3], convs[3].weight, low) is None  # fp64: cast by its call
         with torch.no_grad():
+            convs[2].weight.mul_(2)  # written in place after the launch: cast again by its call
+        assert casts.get(convs[2], convs[2].weight, low) is None
+        with torch.no_grad():
             convs[1].weight.data = randn(3, 4, 1, 1)  # new storage, same parameter
+    # A weight whose storage is freed for now (FSDP's unsharded parameters between forwards) is
+    # left out of the launch, and taken again once it has storage.
+    storage = convs[0].weight.untyped_storage()
+    size = storage.nbytes()
+    storage.resize_(0)
+    casts = plan.cast_all(low, convs[1].weight.device)
+    assert id(convs[0]) not in casts.places and id(convs[1]) in casts.places
+    storage.resize_(size)
+    assert id(convs[0]) in plan.cast_all(low, convs[1].weight.device).places
 
 
 def test_fused_step_counts_with_one_add(node_calls, monkeypatch):
@@ -554,15 +589,23 @@ def test_block_runs_as_one_chain_node(node_calls):
         if a.is_floating_point():
             assert_close(a, b, c, "no_grad running statistics")
     seen = []
-    ours.conv2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    hook = ours.conv2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     calls = len(node_calls)
     assert_close(ours(x), wide(x.double()), model(x), "hooked")
     assert seen == [(2, 3, 4, 3)] and len(node_calls) == calls + 3  # the other three pairs
+    hook.remove()
     twin = copy.deepcopy(ours)
     assert twin.conv1.__dict__[conv_bn._CHAIN].entry is None
     for _ in range(3):
         assert_close(twin(x), wide(x.double()), model(x), "copy")
     pickle.dumps(ours.conv1.__dict__[conv_bn._CHAIN])
+    x = x.detach().requires_grad_(True)
+    y = ours(x)
+    assert node_calls[-1] == 4
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(y, x, torch.ones_like(y), create_graph=True)
+    tnn.unpatch(ours)
+    assert not any(type(v) is tnn.cache.Slot for m in ours.modules() for v in vars(m).values())
 
 
 def test_fused_model_traces_in_one_graph():

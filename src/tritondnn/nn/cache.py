@@ -44,6 +44,12 @@ def store(module: torch.nn.Module, name: str, entry: tuple) -> None:
     slot.entry = entry  # one assignment: DataParallel's replicas share the slot
 
 
+def clear(module: torch.nn.Module) -> None:
+    """Drop every entry kept on ``module`` (unpatching leaves none behind)."""
+    for name in [name for name, value in module.__dict__.items() if type(value) is Slot]:
+        del module.__dict__[name]
+
+
 def tensor_print(t: Any) -> tuple | None:
     """A tensor's part of a print: its type, shape, strides, dtype and device (None for None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)

@@ -68,6 +68,7 @@ class _ConvBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _no_double_backward()
         x, w, h, bn_weight, bn_bias, workspace, y = ctx.saved_tensors
         need_x, need_w, need_bn_w, need_bn_b = ctx.needs_input_grad[:4]
         conv_program, bn_program = ctx.programs
@@ -78,6 +79,17 @@ class _ConvBatchNorm(torch.autograd.Function):
 
 
 _apply = raw_apply(_ConvBatchNorm)
+
+
+def _no_double_backward() -> None:
+    """The fused nodes' backwards are not differentiable: autograd runs them with grad mode on
+    only for ``create_graph=True``, whose gradients would silently treat them as constants."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "tritondnn: a fused conv + batch norm node has no double backward (create_graph=True); "
+            "patch the model without fuse=True for higher-order gradients"
+        )
+
 
 # (conv key, batch norm's flags and parameter specs, residual spec, relu) -> (conv program,
 # batch norm program), filled after a call of that key ran unfused.
@@ -227,6 +239,7 @@ class _ConvBatchNormChain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _no_double_backward()
         run, saved, needs = ctx.run, ctx.saved_tensors, ctx.needs_input_grad[1:]
         count, pairs = run.externals, len(run.layout)
         # Whether each value (external, then each pair's output) needs a gradient.
@@ -408,7 +421,7 @@ _CAST_BLOCK = 4096
 class _Casts:
     """One step's cast weights: views of ``flat`` made as the calls ask for them."""
 
-    __slots__ = ("flat", "places", "weights")
+    __slots__ = ("flat", "places", "versions", "weights")
 
     def __init__(self, flat: torch.Tensor, places: dict[int, tuple], weights: tuple = ()) -> None:
         self.flat = flat
@@ -416,6 +429,9 @@ class _Casts:
         # strides), offset)
         self.places = places
         self.weights = weights  # the products' weights among them
+        # Their version counters as the launch read them: a weight written in place since (by
+        # the forward's own code, or a hook) is cast again by its call.
+        self.versions = {owner: place[0]._version for owner, place in places.items()}
 
     def get(self, conv: torch.nn.Module, weight: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
         """The cast of ``weight``, or None where the step's launch did not cast it as it is now:
@@ -425,6 +441,7 @@ class _Casts:
             place is None
             or place[0] is not weight
             or self.flat.dtype != low
+            or weight._version != self.versions[id(conv)]
             or _signature(weight) != place[1]
         ):
             return None
@@ -520,6 +537,8 @@ class _CastPlan:
         for i, (owner, w, signature) in enumerate(zip(owners, sources, signatures)):
             if w is None or w.dtype != torch.float32 or w.device != device or not _dense(w):
                 continue
+            if w.untyped_storage().nbytes() < (w.storage_offset() + w.numel()) * w.element_size():
+                continue  # storage freed for now (FSDP's unsharded parameters between forwards)
             rows.append((blocks, w.data_ptr(), offset, w.numel()))
             self.places[owner] = (w, signature, offset)
             if i >= len(self.convs):
@@ -576,7 +595,9 @@ class _Step:
         ``core.autocast.lowered_weight``, which notes the weights they cast)."""
         step_casts.seen = []
         low = autocast_dtype()
-        if low is None or not (self.plan.convs or self.plan.weights):
+        # Without autograd nothing saves the casts: cast one by one, each freed after its product
+        # (all of a large model's at once would raise the forward's peak memory).
+        if low is None or not torch.is_grad_enabled() or not (self.plan.convs or self.plan.weights):
             return
         casts = self.casts = self.plan.cast_all(low)
         if casts.weights:

@@ -37,7 +37,8 @@ code differs between train and eval mode, or that cannot be traced, is left alon
 Tracing also records ``a += b`` as ``a = a + b`` (an augmented assignment on a traced value), so
 a forward that relies on such an add changing a tensor seen elsewhere must not be fused. Hooks
 registered after patching on a fused norm after an add are called (the add and the norm then run
-as written); on the modules of the other fused patterns they are not.
+as written), and on a fused convolution (its pair then runs unfused); on the modules of the other
+fused patterns (a batch norm, the ReLU after it, a block's skip) they are not.
 """
 
 from __future__ import annotations
@@ -231,11 +232,15 @@ def _rewrite(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
 
 
 def _inline_skips(graph: fx.Graph, root: nn.Module) -> None:
-    """Calls of an Identity (gone: its input read instead) and of a tritondnn Sequential of a
-    Conv2d and a batch norm (and a ReLU), a ResNet block's skip, which its own forward would run
-    as one ``conv_batch_norm`` call: that call in the graph instead, where chains find it."""
+    """A ResNet block's skip, a call whose output only fused conv + batch norm calls read: of an
+    Identity (gone: its input read instead) or of a tritondnn Sequential of a Conv2d and a batch
+    norm (and a ReLU), which its own forward would run as one ``conv_batch_norm`` call (that call
+    in the graph instead, where chains find it). Hooks registered on them after patching are
+    not called, as on the other modules a fused pattern absorbs."""
     for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not node.users:
+            continue
+        if any(user.op != "call_function" or user.target is not conv_batch_norm for user in node.users):
             continue
         module = root.get_submodule(node.target)
         if _hooked(module):

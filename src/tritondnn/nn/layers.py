@@ -184,7 +184,7 @@ def linear_call(
         lambda: ops.matmul.linear(input, module.weight, module.bias, activation=activation),
         theirs,
     )
-    if mark is not None:
+    if mark is not None and on_backend(input):  # not a call that fell back to torch's
         cast, grad, version = mark[:3]
         weight, bias = module._parameters["weight"], module._parameters["bias"]
         bias_spec = None if bias is None else (bias.shape, bias.stride(), bias.dtype)
@@ -209,7 +209,9 @@ def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tupl
     if torch.compiler.is_compiling() or type(input) not in _PLAIN:
         return None
     params = module._parameters
-    weight, bias = params.get("weight"), params.get("bias")
+    if "weight" not in params or "bias" not in params:
+        return None  # an attribute of another kind (pruning, a parametrization): read by the call
+    weight, bias = params["weight"], params["bias"]
     if weight is None:
         return None
     cast = cache.autocast_dtype()

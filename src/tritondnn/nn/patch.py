@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from . import attention, containers, conv_bn, fusion, layers, rnn, sync_batchnorm
+from . import attention, cache, containers, conv_bn, fusion, layers, rnn, sync_batchnorm
 
 # torch.nn class -> tritondnn class, filled from the modules that subclass exactly one of torch's.
 SUPPORTED: dict[type[nn.Module], type[nn.Module]] = {}
@@ -105,7 +105,9 @@ def patch(
             pairs run as one node. Patched ``Sequential`` containers fuse Conv2d + BatchNorm
             (+ ReLU) and BatchNorm + ReLU either way. Under autocast, each forward of the model
             casts the fp32 weights of its fused convolutions and of its linear layers in one
-            launch as it begins (those the previous forward used).
+            launch as it begins (those the previous forward used; with autograd on); a weight
+            written in place later in the forward is cast again by its call, unless written
+            through ``.data`` (which bypasses the version counter, as autograd's checks miss it).
 
     Returns:
         A ``PatchReport``: what was replaced, and what was skipped and why (excluded, a user
@@ -157,6 +159,7 @@ def unpatch(model: nn.Module) -> int:
     changed."""
     count = fusion.unfuse(model)
     for module in model.modules():
+        cache.clear(module)
         original = _ORIGINAL.get(type(module))
         if original is not None:
             module.__class__ = original

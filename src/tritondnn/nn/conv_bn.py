@@ -105,10 +105,17 @@ def conv_batch_norm(
 ) -> torch.Tensor:
     """``relu(bn(conv(input)) + residual)`` (without the residual where None, without the ReLU
     where ``relu`` is False), fused where the fast path takes the call."""
+    return _pair(conv, bn, input, residual, relu)[0]
+
+
+def _pair(conv, bn, input, residual, relu) -> tuple[torch.Tensor, tuple | None]:
+    """``conv_batch_norm``'s output, and the (programs, cast dtype) it ran fused with, or None
+    where it ran the two modules."""
     call = _call_print(conv, bn, input, residual, relu)
     entry = cached(conv, _PAIR) if call is not None else None
     if entry is not None and entry[0] == call:
-        return _run_pair(conv, bn, input, residual, entry[1], entry[2], conv._parameters["weight"])
+        y = _run_pair(conv, bn, input, residual, entry[1], entry[2], conv._parameters["weight"])
+        return y, entry[1:]
     key = _key(conv, bn, input, residual, relu)
     programs = _programs.get(key) if key is not None else None
     if programs is None:
@@ -116,10 +123,10 @@ def conv_batch_norm(
         y = bn.forward_relu(h, residual) if relu else bn(h)
         if key is not None:
             _remember(key, bn, h, residual, relu)
-        return y
+        return y, None
     if call is not None and call[0][3] is not None:  # the weight was read from its dict
         store(conv, _PAIR, (call, programs, key[1]))
-    return _run_pair(conv, bn, input, residual, programs, key[1], conv.weight)
+    return _run_pair(conv, bn, input, residual, programs, key[1], conv.weight), (programs, key[1])
 
 
 def _run_pair(conv, bn, input, residual, programs, low, weight) -> torch.Tensor:
@@ -331,21 +338,17 @@ def _chain_print(layout: tuple, modules: tuple, values: tuple) -> tuple | None:
 
 def _chain_apart(layout: tuple, modules: tuple, values: tuple, key: tuple | None) -> torch.Tensor:
     """The chain's calls one by one (each fused where the pair's fast path takes it); where every
-    call took its pair's fast path and the chain has a print, the chain's programs are kept
-    under it."""
+    call ran fused and the chain has a print (every weight read from its dict), the chain's
+    programs are kept under it."""
     outputs = list(values)
-    programs, lows = [], []
+    fused = []
     for j, (source, residual, relu) in enumerate(layout):
-        conv, bn = modules[2 * j], modules[2 * j + 1]
         x, r = outputs[source], None if residual < 0 else outputs[residual]
-        call = _call_print(conv, bn, x, r, relu) if key is not None else None
-        outputs.append(conv_batch_norm(conv, bn, x, r, relu))
-        entry = cached(conv, _PAIR) if call is not None else None
-        if entry is not None and entry[0] == call:
-            programs.append(entry[1])
-            lows.append(entry[2])
-    if key is not None and len(programs) == len(layout):
-        store(modules[0], _CHAIN, (key, tuple(programs), tuple(lows)))
+        y, ran = _pair(modules[2 * j], modules[2 * j + 1], x, r, relu)
+        outputs.append(y)
+        fused.append(ran)
+    if key is not None and None not in fused:
+        store(modules[0], _CHAIN, (key, tuple(f[0] for f in fused), tuple(f[1] for f in fused)))
     return outputs[-1]
 
 

@@ -185,20 +185,12 @@ def linear_call(
         theirs,
     )
     if mark is not None and on_backend(input):  # not a call that fell back to torch's
-        cast, grad, version = mark[:3]
+        cast, grad = mark[:2]
         weight, bias = module._parameters["weight"], module._parameters["bias"]
-        bias_spec = None if bias is None else (bias.shape, bias.stride(), bias.dtype)
-        key = (
-            "linear", grad, version, input.shape, input.stride(), input.dtype,
-            weight.shape, weight.stride(), weight.dtype, bias_spec, activation, (), cast,
-        )  # fmt: skip
-        fast = ops.matmul._eager.get(key)
+        fast = ops.matmul._eager.get(ops.matmul.linear_key(input, weight, bias, activation, (), cast, grad))
         if fast is not None:
             cache.store(module, _LINEAR, (mark, fast, *ops.matmul._params(activation, ()), cast))
     return out
-
-
-_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tuple | None:
@@ -215,11 +207,8 @@ def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tupl
     if weight is None:
         return None
     cast = cache.autocast_dtype()
-    if cast is not None:
-        if input.dtype not in _AUTOCAST_CASTABLE or weight.dtype not in _AUTOCAST_CASTABLE:
-            return None
-        if input.dtype == cast and weight.dtype == cast and (bias is None or bias.dtype == cast):
-            return None
+    if cast is not None and not ops.matmul.casts_inside(cast, input, weight, bias):
+        return None  # autocast casts the arguments before the op
     grad = torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )

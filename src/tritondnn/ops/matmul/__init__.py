@@ -368,11 +368,19 @@ def _linear_autocast(
     with nothing to cast or outside the cached eager path's reach."""
     if residual is not None or out_dtype is not None or not (eager_tensor(input) and eager_tensor(weight)):
         return NotImplemented
-    if input.dtype not in _CASTABLE or weight.dtype not in _CASTABLE:
-        return NotImplemented
-    if input.dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype):
+    if not casts_inside(dtype, input, weight, bias):
         return NotImplemented
     return _linear(input, weight, bias, activation, activation_params, None, None, dtype)
+
+
+def casts_inside(
+    dtype: torch.dtype, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether ``linear`` under autocast to ``dtype`` casts input and weight inside its node
+    (``_linear_autocast``): both castable, not all three already in ``dtype``."""
+    if input.dtype not in _CASTABLE or weight.dtype not in _CASTABLE:
+        return False
+    return not (input.dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype))
 
 
 @autocast_policy(LOWER, LOWER, inside=_linear_autocast)
@@ -420,21 +428,7 @@ def _linear(input, weight, bias, activation, activation_params, residual, out_dt
         grad = torch.is_grad_enabled() and (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         )
-        key = (
-            "linear",
-            grad,
-            config.version,
-            input.shape,
-            input.stride(),
-            input.dtype,
-            weight.shape,
-            weight.stride(),
-            weight.dtype,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype),
-            activation,
-            activation_params,
-            cast,
-        )
+        key = linear_key(input, weight, bias, activation, activation_params, cast, grad)
         fast = _eager.get(key)
         if fast is not None:
             return fast(input, weight, bias, *_params(activation, activation_params), True, cast)
@@ -473,5 +467,17 @@ def _linear(input, weight, bias, activation, activation_params, residual, out_dt
 
 
 @functools.cache
+def linear_key(input, weight, bias, activation, activation_params, cast, grad: bool) -> tuple:
+    """The key of ``linear``'s cached eager calls (``_eager``) for a call on plain tensors of one
+    device without residual or out_dtype: ``grad``, whether autograd records it; ``cast``, the
+    dtype input and weight are cast to inside the op, or None."""
+    return (
+        "linear", grad, config.version, input.shape, input.stride(), input.dtype,
+        weight.shape, weight.stride(), weight.dtype,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype),
+        activation, activation_params, cast,
+    )  # fmt: skip
+
+
 def _params(activation: str | None, activation_params: tuple[float, ...]) -> tuple[float, float]:
     return Epilogue(activation=activation, activation_params=activation_params).params

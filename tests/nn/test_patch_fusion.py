@@ -312,10 +312,9 @@ def test_fused_step_casts_weights_once_and_counts_batches(node_calls, monkeypatc
     real_cast, real_add = conv_bn._CastPlan.cast_all, torch._foreach_add_
 
     def cast_all(plan, *args):
-        casts = real_cast(plan, *args)
-        if casts.places:
-            copies.append(len(casts.places))
-        return casts
+        real_cast(plan, *args)
+        if conv_bn.step_casts.table:
+            copies.append(len(conv_bn.step_casts.table))
 
     monkeypatch.setattr(conv_bn._CastPlan, "cast_all", cast_all)
     monkeypatch.setattr(torch, "_foreach_add_", lambda t, v: adds.append(len(t)) or real_add(t, v))
@@ -399,9 +398,8 @@ def test_fused_step_casts_product_weights_once(monkeypatch):
     real_cast = conv_bn._CastPlan.cast_all
 
     def cast_all(plan, *args):
-        casts = real_cast(plan, *args)
-        cast_weights.append(len(casts.weights))
-        return casts
+        real_cast(plan, *args)
+        cast_weights.append(len(conv_bn.step_casts.table or ()))
 
     monkeypatch.setattr(conv_bn._CastPlan, "cast_all", cast_all)
     torch.manual_seed(0)
@@ -507,27 +505,32 @@ def test_cast_plan_casts_every_weight_through_its_table():
     plan = conv_bn._CastPlan()
     for conv in convs:
         plan.learn(conv)
+    step_cast = tdnn.core.autocast.step_cast
     for step in range(2):
-        casts = plan.cast_all(low, convs[0].weight.device)
+        plan.cast_all(low, convs[0].weight.device)
         for conv in convs[:3]:
-            view = casts.get(conv, conv.weight, low)
+            view = step_cast(conv.weight, low)
             assert view.stride() == conv.weight.stride() and view.data_ptr() % 16 == 0
             assert torch.equal(view, conv.weight.detach().to(low)), f"step {step}"
-        assert casts.get(convs[3], convs[3].weight, low) is None  # fp64: cast by its call
+        assert step_cast(convs[3].weight, low) is None  # fp64: cast by its call
+        assert step_cast(convs[0].weight, torch.float64) is None  # another dtype
         with torch.no_grad():
             convs[2].weight.mul_(2)  # written in place after the launch: cast again by its call
-        assert casts.get(convs[2], convs[2].weight, low) is None
+        assert step_cast(convs[2].weight, low) is None
         with torch.no_grad():
             convs[1].weight.data = randn(3, 4, 1, 1)  # new storage, same parameter
+        assert step_cast(convs[1].weight, low) is None
     # A weight whose storage is freed for now (FSDP's unsharded parameters between forwards) is
     # left out of the launch, and taken again once it has storage.
     storage = convs[0].weight.untyped_storage()
     size = storage.nbytes()
     storage.resize_(0)
-    casts = plan.cast_all(low, convs[1].weight.device)
-    assert id(convs[0]) not in casts.places and id(convs[1]) in casts.places
+    plan.cast_all(low, convs[1].weight.device)
+    assert id(convs[0]) not in plan.places and step_cast(convs[1].weight, low) is not None
     storage.resize_(size)
-    assert id(convs[0]) in plan.cast_all(low, convs[1].weight.device).places
+    plan.cast_all(low, convs[1].weight.device)
+    assert step_cast(convs[0].weight, low) is not None
+    conv_bn.step_casts.table = None
 
 
 def test_fused_step_counts_with_one_add(node_calls, monkeypatch):

@@ -116,26 +116,31 @@ class _StepCasts(threading.local):
 step_casts = _StepCasts()
 
 
+def step_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The open step's cast of ``t`` to ``dtype`` where its launch made one of ``t`` as ``t`` is
+    now (same tensor, version counter, address, shape and strides: a write through ``.data``
+    goes unseen, as by autograd's checks), else None."""
+    table = step_casts.table
+    entry = None if table is None else table.get(id(t))
+    if entry is None or entry[0] is not t or entry[1] != t._version or entry[2] != t.data_ptr():
+        return None
+    _, _, _, shape, strides, flat, offset = entry
+    if flat.dtype != dtype or t.shape != shape or t.stride() != strides:
+        return None
+    return flat.as_strided(shape, strides, offset)
+
+
 def lowered_weight(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` for a product's weight: the open step's cast where it made one of ``t`` as
-    ``t`` is now (same tensor, version counter, address, shape and strides: a write through
-    ``.data`` goes unseen, as by autograd's checks), else a cast; a parameter's (an fp32 leaf
-    that requires grad) is noted for the step's next forwards."""
-    state = step_casts
-    seen = state.seen
+    """``t.to(dtype)`` for a product's weight: the open step's cast (``step_cast``) where there is
+    one, else a cast; a parameter's (an fp32 leaf that requires grad) is noted for the step's
+    next forwards."""
+    seen = step_casts.seen
     if seen is None:
         return t.to(dtype)
-    table = state.table
-    if table is not None:
-        entry = table.get(id(t))
-        if entry is not None and entry[0] is t and entry[1] == t._version and entry[2] == t.data_ptr():
-            _, _, _, shape, strides, flat, offset = entry
-            if flat.dtype == dtype and t.shape == shape and t.stride() == strides:
-                seen.append(t)
-                return flat.as_strided(shape, strides, offset)
-    if t.is_leaf and t.requires_grad and t.dtype == torch.float32:
+    cast = step_cast(t, dtype)
+    if cast is not None or (t.is_leaf and t.requires_grad and t.dtype == torch.float32):
         seen.append(t)
-    return t.to(dtype)
+    return cast if cast is not None else t.to(dtype)
 
 
 # One C call on the hot path of every decorated op outside autocast (torch.utils.checkpoint uses

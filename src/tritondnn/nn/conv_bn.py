@@ -19,11 +19,13 @@ the block's input gradient summed from the two paths inside its backward.
 
 A model patched with ``fuse=True`` also opens a ``_Step`` for each of its forwards (``enter_step``
 and ``exit_step``, hooks on the model), in which work that every fused call repeats is done once
-for all of them: autocast's casts of the convolutions' weights (one launch at the first fused call,
-reading the weights through a table of addresses, for the convolutions the model's previous
-forward ran fused) and the batch norms' ``num_batches_tracked += 1`` (one multi-tensor add as the
-forward returns). On an H200's host a weight's ``.to()`` took 13.6 us and an ``add_(1)`` 10.2, 53
-of each in a ResNet-50 step; ``torch._foreach_copy_`` from fp32 to bf16 took 0.93 ms for the 53.
+for all of them: autocast's casts of the weights (one launch as the forward begins, or at its
+first fused call, reading the weights through a table of addresses, for the convolutions the
+model's previous forwards ran fused and the linear layers' weights the previous forward cast;
+their calls take the casts through ``core.autocast.step_cast``) and the batch norms'
+``num_batches_tracked += 1`` (one multi-tensor add as the forward returns). On an H200's host a
+weight's ``.to()`` took 13.6 us and an ``add_(1)`` 10.2, 53 of each in a ResNet-50 step;
+``torch._foreach_copy_`` from fp32 to bf16 took 0.93 ms for the 53.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.autocast import _any_autocast, step_casts
+from ..core.autocast import _any_autocast, step_cast, step_casts
 from ..core.backend import DEVICE_TYPE
 from ..core.config import config
 from ..core.launcher import cdiv, launcher
@@ -421,40 +423,6 @@ def _cast_many_kernel(table_ptr, out_ptr, count, BLOCK: tl.constexpr, COUNT: tl.
 _CAST_BLOCK = 4096
 
 
-class _Casts:
-    """One step's cast weights: views of ``flat`` made as the calls ask for them."""
-
-    __slots__ = ("flat", "places", "versions", "weights")
-
-    def __init__(self, flat: torch.Tensor, places: dict[int, tuple], weights: tuple = ()) -> None:
-        self.flat = flat
-        # id(conv), or id(weight) for the products' weights -> (weight, (address, shape,
-        # strides), offset)
-        self.places = places
-        self.weights = weights  # the products' weights among them
-        # Their version counters as the launch read them: a weight written in place since (by
-        # the forward's own code, or a hook) is cast again by its call.
-        self.versions = {owner: place[0]._version for owner, place in places.items()}
-
-    def get(self, conv: torch.nn.Module, weight: torch.Tensor, low: torch.dtype) -> torch.Tensor | None:
-        """The cast of ``weight``, or None where the step's launch did not cast it as it is now:
-        another tensor, or new storage since (FSDP's unsharding swaps ``.data`` within a forward)."""
-        place = self.places.get(id(conv))
-        if (
-            place is None
-            or place[0] is not weight
-            or self.flat.dtype != low
-            or weight._version != self.versions[id(conv)]
-            or _signature(weight) != place[1]
-        ):
-            return None
-        _, shape, strides = place[1]
-        return self.flat.as_strided(shape, strides, place[2])
-
-
-_NO_CASTS = _Casts(torch.empty(0), {})
-
-
 class _CastPlan:
     """The weights a model's forward casts in one launch (kept on the model): those of the
     convolutions its earlier forwards ran fused under autocast and of the products (``linear``)
@@ -472,7 +440,6 @@ class _CastPlan:
         self.table: torch.Tensor | None = None
         self.table_kept = False
         self.total = self.blocks = 0
-        self.product_weights: tuple = ()
         self.launches: dict[torch.dtype, Callable[..., None]] = {}
 
     def __getstate__(self) -> dict:
@@ -491,10 +458,11 @@ class _CastPlan:
         ones the next forward's launch casts."""
         self.weights = {id(w): weakref.ref(w) for w in weights}
 
-    def cast_all(self, low: torch.dtype, device: torch.device | None = None) -> _Casts:
-        """This step's casts of the plan's weights that are dense fp32 tensors on ``device`` (the
-        first weight's where None), each at a 128-byte boundary of one new buffer (the
-        convolutions' tensor descriptors need 16)."""
+    def cast_all(self, low: torch.dtype, device: torch.device | None = None) -> None:
+        """Casts the plan's weights that are dense fp32 tensors on ``device`` (the first weight's
+        where None), each at a 128-byte boundary of one new buffer (the convolutions' tensor
+        descriptors need 16), and publishes the casts for ``core.autocast.step_cast``."""
+        step_casts.table = None
         for key, ref in list(self.weights.items()):
             if ref() is None:
                 del self.weights[key]
@@ -504,7 +472,7 @@ class _CastPlan:
         if device is None:
             device = next((w.device for w in sources if w is not None), None)
             if device is None:
-                return _NO_CASTS
+                return
         signatures = tuple(None if w is None else _signature(w) for w in sources)
         fresh = (
             len(sources) == len(self.sources)
@@ -515,11 +483,11 @@ class _CastPlan:
         )
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not (fresh and low in self.launches):
-            return _NO_CASTS  # no table upload or kernel build while a graph is captured
+            return  # no table upload or kernel build while a graph is captured
         if not fresh:
             self._build(owners, sources, signatures, device)
         if not self.places:
-            return _NO_CASTS
+            return
         if capturing and not self.table_kept:
             _CAPTURED_TABLES.append(self.table)  # the graph reads it on every replay
             self.table_kept = True
@@ -530,25 +498,26 @@ class _CastPlan:
             launch = self.launches[low] = launcher(_cast_many_kernel, (self.blocks,), 2, (count,), consts)
         flat = torch.empty(self.total, dtype=low, device=device)
         launch(self.table, flat)
-        return _Casts(flat, self.places, self.product_weights)
+        step_casts.table = {
+            id(w): (w, w._version, w.data_ptr(), w.shape, w.stride(), flat, offset)
+            for w, offset in self.places.values()
+        }
 
     def _build(self, owners: list, sources: list, signatures: tuple, device: torch.device) -> None:
+        """The table over ``sources`` (``owners``: id() of the convolution, or of the weight for
+        the products') and where each weight goes in the buffer."""
         rows: list[tuple[int, int, int, int]] = []
         self.places = {}
-        products = []
         offset = blocks = 0
-        for i, (owner, w, signature) in enumerate(zip(owners, sources, signatures)):
+        for owner, w in zip(owners, sources):
             if w is None or w.dtype != torch.float32 or w.device != device or not _dense(w):
                 continue
             if w.untyped_storage().nbytes() < (w.storage_offset() + w.numel()) * w.element_size():
                 continue  # storage freed for now (FSDP's unsharded parameters between forwards)
             rows.append((blocks, w.data_ptr(), offset, w.numel()))
-            self.places[owner] = (w, signature, offset)
-            if i >= len(self.convs):
-                products.append((w, offset))
+            self.places[owner] = (w, offset)
             offset += cdiv(w.numel(), 64) * 64
             blocks += cdiv(w.numel(), _CAST_BLOCK)
-        self.product_weights = tuple(products)
         self.sources, self.signatures, self.total, self.blocks = sources, signatures, offset, blocks
         self.launches = {}
         self.table = torch.tensor(rows, dtype=torch.int64).t().contiguous().to(device) if rows else None
@@ -572,13 +541,13 @@ class _Step:
     """One forward of a patched model (see the module's docstring): the ``num_batches_tracked``
     counters its fused calls leave to it, and its weight casts."""
 
-    __slots__ = ("casts", "counts", "depth", "owner", "plan")
+    __slots__ = ("cast", "counts", "depth", "owner", "plan")
 
     def __init__(self, owner: torch.nn.Module, plan: _CastPlan) -> None:
         self.owner = owner
         self.plan = plan
         self.counts: list[torch.Tensor] = []
-        self.casts: _Casts | None = None
+        self.cast = False  # whether the plan's launch ran this step
         self.depth = 0
 
     def cast_weight(
@@ -586,9 +555,10 @@ class _Step:
     ) -> torch.Tensor | None:
         """``weight`` in ``low`` from the step's cast, or None (cast it alone): a convolution the
         plan did not have (it will next time) or whose weight changed since the cast."""
-        if self.casts is None:
-            self.casts = self.plan.cast_all(low, weight.device)
-        cast = self.casts.get(conv, weight, low)
+        if not self.cast:
+            self.cast = True
+            self.plan.cast_all(low, weight.device)
+        cast = step_cast(weight, low)
         if cast is None:
             self.plan.learn(conv)
         return cast
@@ -597,17 +567,14 @@ class _Step:
         """Under autocast, casts the plan's weights now (the products read theirs through
         ``core.autocast.lowered_weight``, which notes the weights they cast)."""
         step_casts.seen = []
+        step_casts.table = None
         low = autocast_dtype()
         # Without autograd nothing saves the casts: cast one by one, each freed after its product
         # (all of a large model's at once would raise the forward's peak memory).
         if low is None or not torch.is_grad_enabled() or not (self.plan.convs or self.plan.weights):
             return
-        casts = self.casts = self.plan.cast_all(low)
-        if casts.weights:
-            step_casts.table = {
-                id(w): (w, w._version, w.data_ptr(), w.shape, w.stride(), casts.flat, offset)
-                for w, offset in casts.weights
-            }
+        self.cast = True
+        self.plan.cast_all(low)
 
     def finish(self) -> None:
         """Adds one to every counter left to the step (one launch; one per counter where a batch

@@ -584,9 +584,10 @@ def test_block_runs_as_one_chain_node(node_calls):
     assert_close(got, ref, same, "frozen output")
     for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
         assert_close(a, b, c, f"frozen gradient {i}")
+    calls = len(node_calls)
     with torch.no_grad():
         got, ref, same = ours(x + 1), wide(x.double() + 1), model(x + 1)
-    assert node_calls[-1] == 4  # no node: the programs ran directly
+    assert len(node_calls) == calls  # no node: the programs ran directly
     assert_close(got, ref, same, "no_grad output")
     for a, b, c in zip(ours.buffers(), wide.buffers(), model.buffers()):
         if a.is_floating_point():

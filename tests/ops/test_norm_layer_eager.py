@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_autograd_outputs import _OpCounter
 from test_norm_layer import _compare, _grads
 
 import tritondnn as tdnn
@@ -123,6 +124,43 @@ def test_repeated_calls_with_a_narrower_residual(counted):
         w, b, dy = randn(24), randn(24), [randn(3, 5, 24)] * 2
         _compare(_ours("add_layer_norm", 24), _theirs("add_layer_norm", 24), [x, w, b, r], dy, "fp32 + bf16")
     assert counted == {"checks": 1, "general": 0}
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_fused_add_under_autocast_stores_the_products_copy_and_a_narrow_residuals_gradient(op, counted):
+    """Under autocast (fp16: the interpreter's bf16 products are wrong) an fp32 input's fused add
+    and norm also stores the output in fp16, kept for the product it feeds (the bits of a cast),
+    and a residual narrower than the input gets its gradient in its own dtype from the backward
+    kernel: the bits of the input's gradient rounded, as the autograd engine's cast gave them.
+    Without autocast no copy is kept."""
+    from tritondnn.core.autocast import lowered
+
+    w = randn(24)
+    b = randn(24) if op == "add_layer_norm" else None
+    for _ in range(3):
+        x, r = (
+            randn(3, 5, 24, scale=2.0).requires_grad_(),
+            randn(3, 5, 24, dtype=torch.float16).requires_grad_(),
+        )
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            y, total = _ours(op, 24)(x, w, b, r)
+            low = lowered(y, torch.float16)
+        assert y.dtype == total.dtype == torch.float32
+        assert low is lowered(y, torch.float16) and torch.equal(low, y.detach().half())
+        dy, ds = randn(3, 5, 24), randn(3, 5, 24)
+        with _OpCounter() as ops:
+            dx, dr = torch.autograd.grad((y, total), (x, r), (dy, ds))
+        assert not ops.seen["_to_copy"]  # no cast of the engine's
+        assert dr.dtype == torch.float16 and torch.equal(dr, dx.half())
+        wide = [t.double().requires_grad_() for t in (x, r)]
+        ref = _theirs(op, 24)(wide[0], w.double(), None if b is None else b.double(), wide[1])
+        for got, want in zip(
+            (y, total, dx), (*ref, torch.autograd.grad(ref, wide[0], (dy.double(), ds.double()))[0])
+        ):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert counted == {"checks": 1, "general": 0}
+    y, _ = _ours(op, 24)(x, w, b, r)
+    assert lowered(y, torch.float16) is not lowered(y, torch.float16)  # cast each time
 
 
 def test_without_autograd(counted):

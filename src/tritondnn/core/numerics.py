@@ -55,9 +55,18 @@ def upcast(x):
 @triton.jit
 def convert(x, dtype: tl.constexpr):
     """``x.to(dtype)``, through fp32 between bf16 and fp64: exact on a GPU up to one rare double
-    rounding, and needed under the interpreter, which converts those pairs bit-wrongly."""
-    if (x.dtype == tl.bfloat16 and dtype == tl.float64) or (x.dtype == tl.float64 and dtype == tl.bfloat16):
+    rounding, and needed under the interpreter, which converts those pairs bit-wrongly. The
+    interpreter also rounds fp32 to bf16 toward zero: there it is rounded to nearest even here,
+    as a GPU and PyTorch round (a kernel's bf16 copy of a value must match ``.to``'s bits)."""
+    if x.dtype == tl.bfloat16 and dtype == tl.float64:
         return x.to(tl.float32).to(dtype)
+    elif (x.dtype == tl.float64 or x.dtype == tl.float32) and dtype == tl.bfloat16:
+        x32 = x.to(tl.float32)
+        if not _COMPILED:
+            bits = x32.to(tl.uint32, bitcast=True)
+            nearest = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000  # then truncation is exact
+            x32 = tl.where(x32 != x32, x32, nearest.to(tl.float32, bitcast=True))
+        return x32.to(dtype)
     else:
         return x.to(dtype)
 

@@ -402,6 +402,60 @@ def test_sequential_fuses_linear_and_activation(monkeypatch, activation):
         assert_close(a, b, c, f"{activation} gradient {i}")
 
 
+@pytest.mark.parametrize("last", [None, "ReLU"])
+def test_sequential_runs_a_linear_pair_as_one_node(last):
+    """Sequential(Linear, GELU, Linear[, activation]) (a transformer's MLP): where autograd
+    records, from its second call on, both products run as one node (``layers.linear_pair_call``)
+    with the same kernels as the two nodes of the first call: the same bits, outputs and every
+    gradient, on the same data, in fp32 and under autocast (fp16 under the interpreter, whose
+    bf16 products are wrong); against float64 and torch's error on fresh data. A new weight
+    (another layout) takes the two calls again once."""
+    from helpers import ON_GPU
+
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    torch.manual_seed(0)
+    tail = [nn.ReLU()] if last else []
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU("tanh"), nn.Linear(16, 5), *tail).to(DEVICE)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours)
+    wide = copy.deepcopy(model).double()
+
+    def step(m, x, autocast):
+        with torch.autocast(DEVICE.split(":")[0], dtype=low, enabled=autocast):
+            out, grads = _run(m, x, 3)
+        return out, grads
+
+    for autocast in (False, True):
+        x = randn(3, 4, 12)
+        runs = [step(ours, x, autocast) for _ in range(2)]
+        for a, b in zip([runs[0][0], *runs[0][1]], [runs[1][0], *runs[1][1]]):
+            assert torch.equal(a, b), f"autocast={autocast}: the pair's node against the two nodes"
+        for _ in range(2):  # fresh data
+            x = randn(3, 4, 12)
+            with torch.autocast(DEVICE.split(":")[0], dtype=low, enabled=autocast):
+                node = type(ours(x.requires_grad_()).grad_fn).__name__
+            assert node == "_LinearPairFunctionBackward", node
+            (got, dgot), (same, dsame) = step(ours, x, autocast), step(model, x, autocast)
+            ref, dref = _run(wide, x.double(), 3)
+            assert_close(got, ref, same, f"autocast={autocast} output")
+            if not autocast:  # (the two nodes' casts and kernels: test_linear_autocast's float64 checks)
+                for i, (a, b, c) in enumerate(zip(dgot, dref, dsame)):
+                    assert_close(a, b, c, f"gradient {i}")
+    with torch.no_grad():
+        assert_close(ours(x), wide(x.double()), model(x), what="no_grad")
+    ours[2].weight = nn.Parameter(ours[2].weight.detach().t().contiguous().t())  # another layout
+    wide[2].weight.data = ours[2].weight.detach().double()
+    x = randn(3, 4, 12).requires_grad_()
+    assert type(ours(x).grad_fn).__name__ != "_LinearPairFunctionBackward"  # validated again first
+    assert type(ours(x).grad_fn).__name__ == "_LinearPairFunctionBackward"
+    got, dgot = _run(ours, x, 4)
+    ref, dref = _run(wide, x.double(), 4)
+    same, dsame = _run(model, x, 4)
+    assert_close(got, ref, same, "new weight output")
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(ours(x).sum(), x, create_graph=True)
+
+
 def test_sequential_keeps_hooked_modules_apart():
     model = nn.Sequential(nn.Linear(6, 4), nn.GELU()).to(DEVICE)
     tnn.patch(model)

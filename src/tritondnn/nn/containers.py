@@ -19,6 +19,7 @@ from .layers import (
     _hooked,
     fusable_batch_norm,
     linear_call,
+    linear_pair_call,
     on_backend,
     relu_fusable_batch_norm,
 )
@@ -48,7 +49,9 @@ class Sequential(nn.Sequential):
     fusion joins a matmul or convolution and what follows it:
 
     - Linear + GELU, ReLU, SiLU, Sigmoid or Tanh: one ``tdnn.linear`` with the activation in its
-      epilogue (the activation's gradient joins the bias gradient's kernel);
+      epilogue (the activation's gradient joins the bias gradient's kernel); followed by another
+      Linear (a transformer's MLP), the two products as one autograd node where autograd records
+      (``layers.linear_pair_call``);
     - Conv2d + BatchNorm (+ ReLU): one autograd node (``conv_bn.conv_batch_norm``);
     - BatchNorm + ReLU: one ``tdnn.batch_norm(..., activation="relu")``.
 
@@ -63,8 +66,15 @@ class Sequential(nn.Sequential):
             then = modules[i + 1] if i + 1 < len(modules) else None
             pair = then is not None and on_backend(input) and not (_hooked(module) or _hooked(then))
             if pair and type(module) is Linear and _fusable_activation(then) is not None:
-                input = _linear_activation(module, then, _fusable_activation(then), input)
-                i += 2
+                after, last = (modules[j] if j < len(modules) else None for j in (i + 2, i + 3))
+                if type(after) is Linear and not _hooked(after):
+                    fused_last = last is not None and not _hooked(last) and _fusable_activation(last)
+                    tail = (_fusable_activation(last), last) if fused_last else None
+                    input = linear_pair_call(module, _fusable_activation(then), then, after, input, tail)
+                    i += 4 if fused_last else 3
+                else:
+                    input = _linear_activation(module, then, _fusable_activation(then), input)
+                    i += 2
             elif pair and type(module) is Conv2d and fusable_batch_norm(then):
                 relu = i + 2 < len(modules) and _relu(modules[i + 2])
                 input = conv_batch_norm(module, then, input, None, relu)

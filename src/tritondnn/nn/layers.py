@@ -25,6 +25,7 @@ from ..core.backend import ON_DEVICE_ATTR
 from ..core.config import config
 from ..core.errors import NotSupportedError
 from ..core.library import PLAIN_TENSORS as _PLAIN
+from ..ops.matmul.autograd import Product, linear_pair
 from . import cache
 
 _warned: set[str] = set()
@@ -191,6 +192,62 @@ def linear_call(
         if fast is not None:
             cache.store(module, _LINEAR, (mark, fast, *ops.matmul._params(activation, ()), cast))
     return out
+
+
+_LINEAR_PAIR = "_tdnn_linear_pair"  # on a pair's first Linear: (its print, the second's own, the pair's call)
+
+
+def linear_pair_call(
+    first: nn.Linear,
+    activation: str,
+    then: nn.Module,
+    second: nn.Linear,
+    input: torch.Tensor,
+    last: tuple[str, nn.Module] | None = None,
+) -> torch.Tensor:
+    """``second(then(first(input)))``, ``then`` the activation module computing ``activation``
+    (a transformer's MLP), and ``last``'s activation module after it where given (its
+    activation's name, the module): the first product with the activation in its epilogue, then
+    the second with its own, both as one autograd node (``ops.matmul.autograd.linear_pair``)
+    where autograd records the call and both products' calls were cached (``linear_call``) for
+    such a call before; else the calls as ``linear_call`` makes them, a node each. The pair is
+    kept on ``first`` with its print and the second's own (its parameters and type: the rest of
+    the second's print, its input's included, follows from the first's)."""
+    mark = _linear_print(first, input, activation)
+    grad = mark is not None and mark[1]
+    last_activation = None if last is None else last[0]
+    if grad:
+        entry = cache.cached(first, _LINEAR_PAIR)
+        if entry is not None and entry[0] == mark and entry[1] == _own_print(second, last_activation):
+            p, q = first._parameters, second._parameters
+            return linear_pair(input, p["weight"], p["bias"], q["weight"], q["bias"], *entry[2])
+    hidden = linear_call(first, input, activation, lambda: then(nn.Linear.forward(first, input)))
+    if last is None:
+        out = second(hidden)
+    else:
+        out = linear_call(second, hidden, last[0], lambda: last[1](nn.Linear.forward(second, hidden)))
+    if grad:
+        kept = cache.cached(first, _LINEAR), cache.cached(second, _LINEAR)
+        if (
+            None not in kept
+            and kept[0][0] == mark
+            and kept[1][0] == _linear_print(second, hidden, last_activation)
+        ):
+            (_, fast, p0, p1, cast), (_, then_fast, q0, q1, then_cast) = kept
+            if cast == then_cast and hasattr(fast, "product") and hasattr(then_fast, "product"):
+                products = (Product(*fast.product, p0, p1), Product(*then_fast.product, q0, q1), cast)
+                cache.store(first, _LINEAR_PAIR, (mark, _own_print(second, last_activation), products))
+    return out
+
+
+def _own_print(module: nn.Linear, activation: str | None) -> tuple | None:
+    """The part of a Linear's print its input does not decide: its type, parameters and the
+    activation after it."""
+    params = module._parameters
+    if "weight" not in params or "bias" not in params:
+        return None
+    weight, bias = cache.tensor_print(params["weight"]), cache.tensor_print(params["bias"])
+    return type(module), weight, bias, activation
 
 
 def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tuple | None:

@@ -259,6 +259,10 @@ def _run(op, names, input, other, epi, c, bias, residual, out_dtype, scale_a, sc
                     transposed, out_shape, plan, cast,
                 )  # fmt: skip
 
+            # What a chain of products needs to run this call inside its own node (autograd.Product
+            # with the activation's parameters).
+            fast.product = (plan, rows, out_shape, bias_kind, act)  # type: ignore[attr-defined]
+
     return (result if store_pre or want_amax else out), fast
 
 

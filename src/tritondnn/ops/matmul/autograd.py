@@ -3,6 +3,8 @@ operands, and the epilogue's backward (activation gradient, bias gradient) in on
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from ...core.autocast import lowered, lowered_weight
@@ -177,14 +179,8 @@ class _MatmulFunction(torch.autograd.Function):
         bias_dtype = bias_meta[1] if bias_meta else grad.dtype
         grad_dtypes = ctx.grad_dtypes
         if ctx.plan is not None and c_meta is None and residual_meta is None and direct_call(grad):
-            key = (rows is None, transposed, need_a, need_b, need_bias, grad.shape, grad.stride(), grad.dtype)
-            key += (grad_dtypes,)
-            program = ctx.plan.backward.get(key)
-            if program is None:
-                program = ctx.plan.backward[key] = _Backward(
-                    rows, transposed, activation, bias_kind if need_bias else 0, bias_dtype, need_a, need_b,
-                    grad_dtypes,
-                )  # fmt: skip
+            flags = (rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b, need_bias)
+            program = _backward_program(ctx.plan, grad, grad_dtypes, *flags)
             da, db, dbias = program(grad, x, y, pre, alpha, p0, p1)
             return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 13
         a = x if rows is None else x.view(rows)
@@ -226,6 +222,95 @@ class _MatmulFunction(torch.autograd.Function):
 
 
 _apply = raw_apply(_MatmulFunction)
+
+
+def _backward_program(
+    plan, grad, grad_dtypes, rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b, need_bias
+) -> _Backward:
+    """The ``_Backward`` kept on forward ``plan`` for this gradient's layout and the gradients
+    wanted (made on first use)."""
+    key = (rows is None, transposed, need_a, need_b, need_bias, grad.shape, grad.stride(), grad.dtype)
+    key += (grad_dtypes,)
+    program = plan.backward.get(key)
+    if program is None:
+        bias = bias_kind if need_bias else 0
+        program = plan.backward[key] = _Backward(
+            rows, transposed, activation, bias, bias_dtype, need_a, need_b, grad_dtypes
+        )
+    return program
+
+
+class Product(NamedTuple):
+    """A linear's cached eager call as a chain of products runs it: the forward ``plan`` (its
+    output allocated as ``out_shape`` where not None, A read as ``rows``), the bias kind and the
+    epilogue's activation (stored pre-activation where >= 0) with its parameters."""
+
+    plan: Any
+    rows: tuple | None
+    out_shape: tuple | None
+    bias_kind: int
+    activation: int
+    p0: float
+    p1: float
+
+
+class _LinearPairFunction(torch.autograd.Function):
+    """``linear(act(linear(x, w1, b1)), w2, b2)`` as one node, where the first product's output
+    feeds only the second (a ``Sequential(Linear, activation, Linear)``, a transformer's MLP):
+    both products' plans forward, both ``_Backward`` programs backward (the second's gradient of
+    its input is the first's output gradient), one node's host time in each pass instead of two.
+    Under autocast (``cast``) the operands are cast inside, as each product's node casts them;
+    the saved tensors are the two nodes'."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, first, second, cast):
+        dtypes = (None, None)
+        if cast is not None:
+            dtypes = ((x.dtype, w1.dtype), None)
+            x, w1 = lowered(x, cast), lowered_weight(w1, cast)
+        h, pre1, _ = first.plan(x, w1, None, b1, None, None, None, 1.0, 0.0, first.p0, first.p1,
+                                first.out_shape)  # fmt: skip
+        if cast is not None:
+            dtypes = (dtypes[0], (h.dtype, w2.dtype))
+            h, w2 = lowered(h, cast), lowered_weight(w2, cast)
+        out, pre2, _ = second.plan(h, w2, None, b2, None, None, None, 1.0, 0.0, second.p0, second.p1,
+                                   second.out_shape)  # fmt: skip
+        ctx.save_for_backward(x, w1, pre1, h, w2, pre2)
+        bias_dtypes = tuple(None if b is None else b.dtype for b in (b1, b2))
+        ctx.chain = (first, second, dtypes, *bias_dtypes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "tritondnn: a fused pair of linear layers has no double backward (create_graph=True); "
+                "patch the model without fuse=True for higher-order gradients"
+            )
+        x, w1, pre1, h, w2, pre2 = ctx.saved_tensors
+        first, second, (dtypes1, dtypes2), b1_dtype, b2_dtype = ctx.chain
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_h = need_x or need_w1 or need_b1
+        flags = (second.activation, second.bias_kind, b2_dtype or grad.dtype, need_h, need_w2, need_b2)
+        program = _backward_program(second.plan, grad, dtypes2, second.rows, True, *flags)
+        dh, dw2, db2 = program(grad, h, w2, pre2, 1.0, second.p0, second.p1)
+        dx = dw1 = db1 = None
+        if need_h:
+            flags = (first.activation, first.bias_kind, b1_dtype or dh.dtype, need_x, need_w1, need_b1)
+            program = _backward_program(first.plan, dh, dtypes1, first.rows, True, *flags)
+            dx, dw1, db1 = program(dh, x, w1, pre1, 1.0, first.p0, first.p1)
+        return dx, dw1, db1, dw2, db2, None, None, None
+
+
+_apply_pair = raw_apply(_LinearPairFunction)
+
+
+def linear_pair(x, w1, b1, w2, b2, first: Product, second: Product, cast: torch.dtype | None) -> torch.Tensor:
+    """``_LinearPairFunction``'s node (without its Python wrapper unless a functorch transform is
+    active): for autograd-recorded calls of two linears whose cached calls gave ``first`` and
+    ``second`` on tensors like these."""
+    args = (x, w1, b1, w2, b2, first, second, cast)
+    return _LinearPairFunction.apply(*args) if functorch_active() else _apply_pair(*args)
 
 
 def apply_eager(*args):

@@ -690,6 +690,73 @@ def test_add_of_a_narrower_branch_into_norm(add_norm_calls):
     assert set(add_norm_calls) == {(torch.float32, torch.bfloat16)}
 
 
+class MLPBlock(nn.Module):
+    """A GPT block's shape: ``x + f(norm1(x))``, then that plus ``mlp(norm2(.))``, the MLP a
+    Sequential of Linear, GELU (tanh), Linear (and a ReLU with ``tail``)."""
+
+    def __init__(self, dim: int = 24, tail: bool = False) -> None:
+        super().__init__()
+        self.norm1, self.norm2, self.f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.Linear(dim, dim)
+        layers = [nn.Linear(dim, 4 * dim), nn.GELU("tanh"), nn.Linear(4 * dim, dim)]
+        self.mlp = nn.Sequential(*layers, *([nn.ReLU()] if tail else []))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.f(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class MLPBlockReadingTheNormTwice(MLPBlock):
+    """``MLPBlock`` whose output also adds norm2's output: the MLP is not its only reader."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.f(self.norm1(x))
+        h = self.norm2(x)
+        return x + self.mlp(h) + h
+
+
+def _node_names(out: torch.Tensor) -> set[str]:
+    """The types of the autograd nodes ``out`` was computed through."""
+    seen, stack, names = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_norm_and_mlp_as_one_node(tail):
+    """The fused add + norm and the MLP reading its output alone as one autograd node
+    (``norm_mlp``) from the second recorded call on: the same bits as the separate calls on the
+    same data (fp32 and autocast: fp16 under the interpreter), values and gradients against
+    float64 over steps; no-grad calls (eval) and an MLP with a hook take the separate calls."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    model, ours, report = _pair(lambda: MLPBlock(tail=tail))
+    assert ("mlp", "add+layer_norm+linear+activation+linear") in report.fused
+    assert ("norm2", "add+layer_norm") in report.fused
+    x = randn(3, 5, 24)
+    for autocast in (False, True):
+        with torch.autocast(DEVICE.split(":")[0], dtype=low, enabled=autocast):
+            runs = [_run(ours, x, 7) for _ in range(2)]  # separate calls, then the node
+            assert "_NormLinearPairFunctionBackward" in _node_names(ours(x.requires_grad_()))
+        for a, b in zip([runs[0][0], *runs[0][1]], [runs[1][0], *runs[1][1]]):
+            assert torch.equal(a, b), f"autocast={autocast}"
+    _compare_steps(model, ours, randn(3, 5, 24), "norm + mlp")
+    seen = []
+    ours.mlp.register_forward_hook(lambda m, args, out: seen.append(out))
+    out = ours(x)
+    assert len(seen) == 1 and "_NormLinearPairFunctionBackward" not in _node_names(out)
+
+
+def test_norm_output_read_elsewhere_keeps_the_mlp_apart():
+    model, ours, report = _pair(MLPBlockReadingTheNormTwice)
+    assert [pattern for _, pattern in report.fused] == ["add+layer_norm"]
+    _compare_steps(model, ours, randn(3, 5, 24), "norm output read twice")
+
+
 def test_add_into_norm_falls_back_quietly(add_norm_calls):
     """A broadcast operand, or a norm with a hook: the add and the norm as written, no warning."""
 

@@ -45,6 +45,7 @@ from ..core.config import config
 from ..core.launcher import cdiv, launcher
 from ..core.library import PLAIN_TENSORS, functorch_active, raw_apply
 from ..ops.conv import eager as conv_eager
+from ..ops.matmul.autograd import no_double_backward
 from ..ops.norm import batch as batch_ops
 from .cache import autocast_dtype, cached, store, tensor_print
 from .layers import Conv2d, _bn_state, _hooked, fusable_batch_norm, on_backend
@@ -70,7 +71,7 @@ class _ConvBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        _no_double_backward()
+        no_double_backward("conv + batch norm")
         x, w, h, bn_weight, bn_bias, workspace, y = ctx.saved_tensors
         need_x, need_w, need_bn_w, need_bn_b = ctx.needs_input_grad[:4]
         conv_program, bn_program = ctx.programs
@@ -81,16 +82,6 @@ class _ConvBatchNorm(torch.autograd.Function):
 
 
 _apply = raw_apply(_ConvBatchNorm)
-
-
-def _no_double_backward() -> None:
-    """The fused nodes' backwards are not differentiable: autograd runs them with grad mode on
-    only for ``create_graph=True``, whose gradients would silently treat them as constants."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "tritondnn: a fused conv + batch norm node has no double backward (create_graph=True); "
-            "patch the model without fuse=True for higher-order gradients"
-        )
 
 
 # (conv key, batch norm's flags and parameter specs, residual spec, relu) -> (conv program,
@@ -248,7 +239,7 @@ class _ConvBatchNormChain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        _no_double_backward()
+        no_double_backward("conv + batch norm")
         run, saved, needs = ctx.run, ctx.saved_tensors, ctx.needs_input_grad[1:]
         count, pairs = run.externals, len(run.layout)
         # Whether each value (external, then each pair's output) needs a gradient.

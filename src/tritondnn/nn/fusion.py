@@ -57,6 +57,7 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from ..core.library import dynamo_rules_built
+from . import norm_mlp
 from .containers import Sequential
 from .conv_bn import conv_batch_norm, conv_batch_norm_chain
 from .layers import Conv2d, LayerNorm, ReLU, RMSNorm, _hooked, fusable_batch_norm, relu_fusable_batch_norm
@@ -119,19 +120,43 @@ def batch_norm_relu(module: nn.Module, input: torch.Tensor, residual: torch.Tens
     return module.forward_relu(input, residual)
 
 
-def add_norm(module: nn.Module, a: Any, b: Any) -> tuple[Any, Any]:
-    """``(module(a + b), a + b)`` for a tritondnn LayerNorm or RMSNorm ``module``: one pass of its
-    ``forward_add`` where the operands allow (tensors of one shape and device, the sum in the
-    dtype of one of them: that one is the norm's input, the other its residual), else the add
-    as written (broadcasting, promotion) and then the module (also where the module has hooks,
-    registered after patching: they see its call)."""
+def _add_norm_operands_at_run_time(module: nn.Module, a: Any, b: Any) -> tuple[Any, Any] | None:
+    """(the norm's input, its residual) where ``module``'s ``forward_add`` may take ``a + b``:
+    tensors of one shape and device, the sum in the dtype of one of them (that one is the input),
+    no hooks on the module (registered after patching: they must see its call); else None."""
     tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
     if tensors and a.shape == b.shape and a.device == b.device and not _hooked(module):
         wide = torch.promote_types(a.dtype, b.dtype)
         if a.is_floating_point() and b.is_floating_point() and wide in (a.dtype, b.dtype):
-            return module.forward_add(a, b) if wide == a.dtype else module.forward_add(b, a)
+            return (a, b) if wide == a.dtype else (b, a)
+    return None
+
+
+def add_norm(module: nn.Module, a: Any, b: Any) -> tuple[Any, Any]:
+    """``(module(a + b), a + b)`` for a tritondnn LayerNorm or RMSNorm ``module``: one pass of its
+    ``forward_add`` where the operands allow (``_add_norm_operands_at_run_time``), else the add
+    as written (broadcasting, promotion) and then the module."""
+    operands = _add_norm_operands_at_run_time(module, a, b)
+    if operands is not None:
+        return module.forward_add(*operands)
     total = a + b
     return module(total), total
+
+
+def add_norm_mlp(norm: nn.Module, mlp: nn.Module, a: Any, b: Any) -> tuple[Any, Any]:
+    """``(mlp(norm(a + b)), a + b)``, the norm's output read by the MLP alone: one autograd node
+    (``norm_mlp``) where it was kept for such a call, else ``add_norm`` and then the MLP's call,
+    after which the node is kept if both ran their cached paths."""
+    operands = _add_norm_operands_at_run_time(norm, a, b)
+    if operands is not None:
+        fused = norm_mlp.fused_call(norm, mlp, *operands)
+        if fused is not None:
+            return fused
+    normalized, total = add_norm(norm, a, b)
+    out = mlp(normalized)
+    if operands is not None:
+        norm_mlp.remember(norm, mlp, *operands, normalized)
+    return out, total
 
 
 def _is_relu(node: fx.Node, source: fx.Node, root: nn.Module) -> bool:
@@ -369,6 +394,41 @@ def _rewrite_add_norm(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]
     return fused
 
 
+def _rewrite_norm_mlp(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
+    """Replace each ``add_norm`` whose normalized output only an MLP reads (a tritondnn
+    Sequential of Linear, activation, Linear and an optional activation, ``norm_mlp.mlp_parts``)
+    with one ``add_norm_mlp`` call where the add_norm was (the MLP reads nothing else); returns
+    the (MLP's name, pattern) of each."""
+    fused = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not add_norm:
+            continue
+        items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        normalized = items.get(0)
+        if normalized is None or len(normalized.users) != 1 or len(items) != len(node.users):
+            continue
+        (mlp,) = normalized.users
+        if mlp.op != "call_module" or mlp.args != (normalized,) or mlp.kwargs:
+            continue
+        if norm_mlp.mlp_parts(root.get_submodule(mlp.target)) is None:
+            continue
+        norm, a, b = node.args
+        with graph.inserting_before(node):
+            fused_call = graph.call_function(add_norm_mlp, (norm, graph.get_attr(mlp.target), a, b))
+            out = graph.call_function(operator.getitem, (fused_call, 0))
+            total = graph.call_function(operator.getitem, (fused_call, 1))
+        mlp.replace_all_uses_with(out)
+        graph.erase_node(mlp)
+        graph.erase_node(normalized)
+        if 1 in items:
+            items[1].replace_all_uses_with(total)
+            graph.erase_node(items[1])
+        graph.erase_node(node)
+        fused.append((str(mlp.target), "add+layer_norm+linear+activation+linear"))
+    graph.lint()
+    return fused
+
+
 def _is_norm_after_add(module: nn.Module) -> bool:
     return type(module) in (LayerNorm, RMSNorm) and not _hooked(module)
 
@@ -496,6 +556,7 @@ def fuse_norms(
             _rewrite_chains(graph, module)
         if _straight_line(module):
             sites += _rewrite_add_norm(graph, module)
+            sites += _rewrite_norm_mlp(graph, module)
         if not sites:
             continue
         # The GraphModule holds the same child modules (not copies); the forward it compiled

@@ -257,6 +257,15 @@ def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tupl
     casting the arguments before the op)."""
     if torch.compiler.is_compiling() or type(input) not in _PLAIN:
         return None
+    return linear_print_of(module, input.dtype, input.requires_grad, cache.tensor_print(input), activation)
+
+
+def linear_print_of(
+    module: nn.Linear, dtype: torch.dtype, requires_grad: bool, input_print: tuple, activation: str | None
+) -> tuple | None:
+    """``_linear_print`` of a call on a plain tensor of ``dtype`` and ``input_print``
+    (``cache.tensor_print``'s) that requires grad or not: for a caller that knows what the
+    input will be before it exists (a fused norm's output)."""
     params = module._parameters
     if "weight" not in params or "bias" not in params:
         return None  # an attribute of another kind (pruning, a parametrization): read by the call
@@ -264,14 +273,14 @@ def _linear_print(module: nn.Linear, input: Any, activation: str | None) -> tupl
     if weight is None:
         return None
     cast = cache.autocast_dtype()
-    if cast is not None and not ops.matmul.casts_inside(cast, input, weight, bias):
+    if cast is not None and not ops.matmul.casts_inside(cast, dtype, weight, bias):
         return None  # autocast casts the arguments before the op
     grad = torch.is_grad_enabled() and (
-        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     return (
         cast, grad, config.version, activation, type(module),
-        cache.tensor_print(input), cache.tensor_print(weight), cache.tensor_print(bias),
+        input_print, cache.tensor_print(weight), cache.tensor_print(bias),
     )  # fmt: skip
 
 

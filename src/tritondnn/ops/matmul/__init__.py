@@ -372,19 +372,20 @@ def _linear_autocast(
     with nothing to cast or outside the cached eager path's reach."""
     if residual is not None or out_dtype is not None or not (eager_tensor(input) and eager_tensor(weight)):
         return NotImplemented
-    if not casts_inside(dtype, input, weight, bias):
+    if not casts_inside(dtype, input.dtype, weight, bias):
         return NotImplemented
     return _linear(input, weight, bias, activation, activation_params, None, None, dtype)
 
 
 def casts_inside(
-    dtype: torch.dtype, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    dtype: torch.dtype, input_dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> bool:
-    """Whether ``linear`` under autocast to ``dtype`` casts input and weight inside its node
-    (``_linear_autocast``): both castable, not all three already in ``dtype``."""
-    if input.dtype not in _CASTABLE or weight.dtype not in _CASTABLE:
+    """Whether ``linear`` under autocast to ``dtype`` casts an input of ``input_dtype`` and
+    ``weight`` inside its node (``_linear_autocast``): both castable, not all three already in
+    ``dtype``."""
+    if input_dtype not in _CASTABLE or weight.dtype not in _CASTABLE:
         return False
-    return not (input.dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype))
+    return not (input_dtype == dtype and weight.dtype == dtype and (bias is None or bias.dtype == dtype))
 
 
 @autocast_policy(LOWER, LOWER, inside=_linear_autocast)

@@ -254,52 +254,69 @@ class Product(NamedTuple):
     p1: float
 
 
+def pair_forward(x, w1, b1, w2, b2, first: Product, second: Product, cast) -> tuple:
+    """``linear(act(linear(x, w1, b1)), w2, b2)`` through the two products' plans: (the output,
+    the tensors the backward reads, what else it needs). Under autocast (``cast``) the operands
+    are cast here, as each product's node casts them; the tensors kept are the two nodes'."""
+    dtypes1 = dtypes2 = None
+    if cast is not None:
+        dtypes1 = (x.dtype, w1.dtype)
+        x, w1 = lowered(x, cast), lowered_weight(w1, cast)
+    h, pre1, _ = first.plan(x, w1, None, b1, None, None, None, 1.0, 0.0, first.p0, first.p1,
+                            first.out_shape)  # fmt: skip
+    if cast is not None:
+        dtypes2 = (h.dtype, w2.dtype)
+        h, w2 = lowered(h, cast), lowered_weight(w2, cast)
+    out, pre2, _ = second.plan(h, w2, None, b2, None, None, None, 1.0, 0.0, second.p0, second.p1,
+                               second.out_shape)  # fmt: skip
+    bias_dtypes = tuple(None if b is None else b.dtype for b in (b1, b2))
+    return out, (x, w1, pre1, h, w2, pre2), (first, second, dtypes1, dtypes2, *bias_dtypes)
+
+
+def pair_backward(grad, saved, chain, need_x, need_w1, need_b1, need_w2, need_b2) -> tuple:
+    """(dx, dw1, db1, dw2, db2) from the output's gradient and ``pair_forward``'s ``saved`` and
+    ``chain``: the second product's ``_Backward`` program, then the first's on its input's
+    gradient (Nones where not wanted)."""
+    x, w1, pre1, h, w2, pre2 = saved
+    first, second, dtypes1, dtypes2, b1_dtype, b2_dtype = chain
+    need_h = need_x or need_w1 or need_b1
+    flags = (second.activation, second.bias_kind, b2_dtype or grad.dtype, need_h, need_w2, need_b2)
+    program = _backward_program(second.plan, grad, dtypes2, second.rows, True, *flags)
+    dh, dw2, db2 = program(grad, h, w2, pre2, 1.0, second.p0, second.p1)
+    dx = dw1 = db1 = None
+    if need_h:
+        flags = (first.activation, first.bias_kind, b1_dtype or dh.dtype, need_x, need_w1, need_b1)
+        program = _backward_program(first.plan, dh, dtypes1, first.rows, True, *flags)
+        dx, dw1, db1 = program(dh, x, w1, pre1, 1.0, first.p0, first.p1)
+    return dx, dw1, db1, dw2, db2
+
+
+def no_double_backward(what: str) -> None:
+    """Fused nodes' backwards are not differentiable: autograd runs them with grad mode on only
+    for ``create_graph=True``, whose gradients would silently treat them as constants."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"tritondnn: a fused {what} node has no double backward (create_graph=True); "
+            "patch the model without fuse=True for higher-order gradients"
+        )
+
+
 class _LinearPairFunction(torch.autograd.Function):
     """``linear(act(linear(x, w1, b1)), w2, b2)`` as one node, where the first product's output
     feeds only the second (a ``Sequential(Linear, activation, Linear)``, a transformer's MLP):
     both products' plans forward, both ``_Backward`` programs backward (the second's gradient of
-    its input is the first's output gradient), one node's host time in each pass instead of two.
-    Under autocast (``cast``) the operands are cast inside, as each product's node casts them;
-    the saved tensors are the two nodes'."""
+    its input is the first's output gradient), one node's host time in each pass instead of two."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, first, second, cast):
-        dtypes = (None, None)
-        if cast is not None:
-            dtypes = ((x.dtype, w1.dtype), None)
-            x, w1 = lowered(x, cast), lowered_weight(w1, cast)
-        h, pre1, _ = first.plan(x, w1, None, b1, None, None, None, 1.0, 0.0, first.p0, first.p1,
-                                first.out_shape)  # fmt: skip
-        if cast is not None:
-            dtypes = (dtypes[0], (h.dtype, w2.dtype))
-            h, w2 = lowered(h, cast), lowered_weight(w2, cast)
-        out, pre2, _ = second.plan(h, w2, None, b2, None, None, None, 1.0, 0.0, second.p0, second.p1,
-                                   second.out_shape)  # fmt: skip
-        ctx.save_for_backward(x, w1, pre1, h, w2, pre2)
-        bias_dtypes = tuple(None if b is None else b.dtype for b in (b1, b2))
-        ctx.chain = (first, second, dtypes, *bias_dtypes)
+        out, saved, ctx.chain = pair_forward(x, w1, b1, w2, b2, first, second, cast)
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "tritondnn: a fused pair of linear layers has no double backward (create_graph=True); "
-                "patch the model without fuse=True for higher-order gradients"
-            )
-        x, w1, pre1, h, w2, pre2 = ctx.saved_tensors
-        first, second, (dtypes1, dtypes2), b1_dtype, b2_dtype = ctx.chain
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_h = need_x or need_w1 or need_b1
-        flags = (second.activation, second.bias_kind, b2_dtype or grad.dtype, need_h, need_w2, need_b2)
-        program = _backward_program(second.plan, grad, dtypes2, second.rows, True, *flags)
-        dh, dw2, db2 = program(grad, h, w2, pre2, 1.0, second.p0, second.p1)
-        dx = dw1 = db1 = None
-        if need_h:
-            flags = (first.activation, first.bias_kind, b1_dtype or dh.dtype, need_x, need_w1, need_b1)
-            program = _backward_program(first.plan, dh, dtypes1, first.rows, True, *flags)
-            dx, dw1, db1 = program(dh, x, w1, pre1, 1.0, first.p0, first.p1)
-        return dx, dw1, db1, dw2, db2, None, None, None
+        no_double_backward("pair of linear layers")
+        return *pair_backward(grad, ctx.saved_tensors, ctx.chain, *ctx.needs_input_grad[:5]), None, None, None
 
 
 _apply_pair = raw_apply(_LinearPairFunction)

@@ -547,6 +547,7 @@ def _eager_program(
             return out if has_res else (out, None)
         return forward(x, residual, weight, bias)[:2]
 
+    fast.program = program  # type: ignore[attr-defined]  # for nodes that run the norm among others
     return fast
 
 

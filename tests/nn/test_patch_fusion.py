@@ -19,7 +19,7 @@ from torch import nn
 import tritondnn as tdnn
 import tritondnn.nn as tnn
 from helpers import DEVICE, ON_GPU, assert_close, randn
-from tritondnn.nn import conv_bn
+from tritondnn.nn import conv_bn, norm_mlp
 
 # How a block may apply the ReLU and add the residual: all are fused.
 RELUS = {
@@ -749,6 +749,22 @@ def test_norm_and_mlp_as_one_node(tail):
     ours.mlp.register_forward_hook(lambda m, args, out: seen.append(out))
     out = ours(x)
     assert len(seen) == 1 and "_NormLinearPairFunctionBackward" not in _node_names(out)
+
+
+def test_norm_and_mlp_node_gives_way_to_autocast_on_a_narrow_stream():
+    """A model in bf16 (fp16 under the interpreter): the node runs from its second call; under
+    autocast, where torch's norm runs in fp32 on the narrow sum, the add, the norm and the MLP
+    run as written, whatever was kept for the calls before."""
+    low = torch.bfloat16 if ON_GPU else torch.float16
+    _, ours, _ = _pair(MLPBlock)
+    ours.to(low)
+    x = randn(3, 5, 24, dtype=low).requires_grad_()
+    names = [_node_names(ours(x)) for _ in range(2)]
+    assert "_NormLinearPairFunctionBackward" in names[1] - names[0]
+    with torch.autocast(DEVICE.split(":")[0], dtype=low):
+        assert "_NormLinearPairFunctionBackward" not in _node_names(ours(x))
+        assert norm_mlp._norm_key(ours.norm2, x, x) is None  # not the fused add's call there
+    assert norm_mlp._norm_key(ours.norm2, x, x) is not None
 
 
 def test_norm_output_read_elsewhere_keeps_the_mlp_apart():

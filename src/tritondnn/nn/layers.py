@@ -442,9 +442,15 @@ def _norm_after_add(
         total = input + residual
         return module(total), total
 
-    if input.dtype != torch.float32 and torch.is_autocast_enabled(input.device.type):
+    if not add_norm_keeps_dtype(input):
         return unfused()
     return run_or_fallback(module, input, lambda: op(input, residual, *args), unfused)
+
+
+def add_norm_keeps_dtype(input: torch.Tensor) -> bool:
+    """Whether the fused add + norm on ``input`` (the sum in its dtype) computes what the add and
+    the norm do: not under autocast with a narrower input, where torch's norm runs in fp32."""
+    return input.dtype == torch.float32 or not torch.is_autocast_enabled(input.device.type)
 
 
 class LayerNorm(nn.LayerNorm):

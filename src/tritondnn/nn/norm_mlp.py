@@ -23,7 +23,16 @@ from ..ops.matmul.autograd import no_double_backward, pair_backward, pair_forwar
 from ..ops.norm import layer as layer_norm_ops
 from . import cache
 from .containers import Sequential, _fusable_activation
-from .layers import _LINEAR_PAIR, LayerNorm, Linear, _hooked, _linear_print, _own_print, linear_print_of
+from .layers import (
+    _LINEAR_PAIR,
+    LayerNorm,
+    Linear,
+    _hooked,
+    _linear_print,
+    _own_print,
+    add_norm_keeps_dtype,
+    linear_print_of,
+)
 
 
 class _NormLinearPairFunction(torch.autograd.Function):
@@ -88,7 +97,10 @@ def mlp_parts(mlp: nn.Module) -> tuple | None:
 
 
 def _norm_key(norm: nn.Module, input: torch.Tensor, residual: torch.Tensor) -> tuple | None:
-    """The key ``tdnn.add_layer_norm`` gives ``norm``'s fused call on these tensors."""
+    """The key ``tdnn.add_layer_norm`` gives ``norm``'s fused call on these tensors, None where
+    ``LayerNorm.forward_add`` would not make that call."""
+    if not add_norm_keeps_dtype(input):
+        return None
     low = layer_norm_ops._low_for_products(input)
     params = norm._parameters
     args = (norm.normalized_shape, params.get("weight"), params.get("bias"), norm.eps, None, low)

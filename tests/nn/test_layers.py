@@ -452,8 +452,31 @@ def test_sequential_runs_a_linear_pair_as_one_node(last):
     ref, dref = _run(wide, x.double(), 4)
     same, dsame = _run(model, x, 4)
     assert_close(got, ref, same, "new weight output")
-    with pytest.raises(RuntimeError, match="no double backward"):
+    with pytest.raises(RuntimeError, match="no double backward.*unpatch the model"):
         torch.autograd.grad(ours(x).sum(), x, create_graph=True)
+
+
+def test_linear_pair_under_compiled_autograd():
+    """Compiled autograd traces the pair node's backward (its gradient a traced tensor): the
+    products' traceable path runs there, the gradients as torch's against float64."""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(DEVICE)
+    ours, wide = copy.deepcopy(model), copy.deepcopy(model).double()
+    tnn.patch(ours)
+    x = randn(3, 8)
+    for _ in range(2):  # the second call records the pair's node
+        ours(x.requires_grad_()).sum().backward()
+    ours.zero_grad()
+    out = ours(x)
+    assert type(out.grad_fn).__name__ == "_LinearPairFunctionBackward"
+    with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+        out.pow(2).sum().backward()
+    model(x).pow(2).sum().backward()
+    wide(x.double()).pow(2).sum().backward()
+    for a, b, c in zip(ours.parameters(), wide.parameters(), model.parameters()):
+        assert_close(a.grad, b.grad, c.grad, "compiled autograd")
 
 
 def test_sequential_keeps_hooked_modules_apart():

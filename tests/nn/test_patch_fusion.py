@@ -705,6 +705,15 @@ class MLPBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class RMSNormMLPBlock(MLPBlock):
+    """``MLPBlock`` with RMS norms: the add joins the norm, the MLP stays apart (the node runs a
+    layer norm's program)."""
+
+    def __init__(self, dim: int = 24) -> None:
+        super().__init__(dim)
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+
+
 class MLPBlockReadingTheNormTwice(MLPBlock):
     """``MLPBlock`` whose output also adds norm2's output: the MLP is not its only reader."""
 
@@ -767,10 +776,14 @@ def test_norm_and_mlp_node_gives_way_to_autocast_on_a_narrow_stream():
     assert norm_mlp._norm_key(ours.norm2, x, x) is not None
 
 
-def test_norm_output_read_elsewhere_keeps_the_mlp_apart():
-    model, ours, report = _pair(MLPBlockReadingTheNormTwice)
-    assert [pattern for _, pattern in report.fused] == ["add+layer_norm"]
-    _compare_steps(model, ours, randn(3, 5, 24), "norm output read twice")
+@pytest.mark.parametrize("make", [MLPBlockReadingTheNormTwice, RMSNormMLPBlock])
+def test_mlp_apart_where_the_node_does_not_apply(make):
+    """A norm output read by more than the MLP, or an RMS norm: the add + norm alone is fused."""
+    model, ours, report = _pair(make)
+    assert [pattern for _, pattern in report.fused] == [
+        f"add+{'rms' if make is RMSNormMLPBlock else 'layer'}_norm"
+    ]
+    _compare_steps(model, ours, randn(3, 5, 24), make.__name__)
 
 
 def test_add_into_norm_falls_back_quietly(add_norm_calls):

@@ -62,11 +62,14 @@ def convert(x, dtype: tl.constexpr):
         return x.to(tl.float32).to(dtype)
     elif (x.dtype == tl.float64 or x.dtype == tl.float32) and dtype == tl.bfloat16:
         x32 = x.to(tl.float32)
-        if not _COMPILED:
+        if _COMPILED:
+            low = x32.to(dtype)
+        else:  # the rounded high half, as bits (the interpreter's conversion flushes subnormals)
             bits = x32.to(tl.uint32, bitcast=True)
-            nearest = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000  # then truncation is exact
-            x32 = tl.where(x32 != x32, x32, nearest.to(tl.float32, bitcast=True))
-        return x32.to(dtype)
+            nearest = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+            nan = tl.full(bits.shape, 0x7FC0, tl.uint32)  # PyTorch's NaN in bf16
+            low = tl.where(x32 != x32, nan, nearest).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return low
     else:
         return x.to(dtype)
 

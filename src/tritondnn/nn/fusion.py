@@ -22,9 +22,12 @@ allow at run time, the add and the norm as written otherwise. A transformer's st
 of such blocks, a child of a module whose own forward is traced) is traced through: each block's
 last add and the next block's first norm (or the model's final norm) meet in the model's graph
 and fuse too, so no residual-stream add is left on its own, forward or backward (autograd's sum of
-the two gradients of a block's input). While a block has hooks (FSDP2 registers its own after
-patching), or the stack no longer holds the blocks it was traced with (a block removed, replaced
-or wrapped), the model's forward calls the blocks instead, each fused on its own. Only modules
+the two gradients of a block's input). Where the norm's output feeds an MLP alone (a tritondnn
+``Sequential`` of Linear, activation, Linear), ``add_norm_mlp`` runs the add, the norm and both
+products as one autograd node (``norm_mlp``) once the separate calls have been validated. While a
+block has hooks (FSDP2 registers its own after patching), or the stack no longer holds the blocks
+it was traced with (a block removed, replaced or wrapped), the model's forward calls the blocks
+instead, each fused on its own. Only modules
 whose forward is straight-line code are traced for it (no branches, loops or ``with`` blocks, no
 default arguments): a trace would bake in the branches taken and drop context managers such as
 ``torch.no_grad()``, which transformer blocks often use; nor is a module that calls a child
@@ -395,8 +398,8 @@ def _rewrite_add_norm(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]
 
 
 def _rewrite_norm_mlp(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]:
-    """Replace each ``add_norm`` whose normalized output only an MLP reads (a tritondnn
-    Sequential of Linear, activation, Linear and an optional activation, ``norm_mlp.mlp_parts``)
+    """Replace each ``add_norm`` of a LayerNorm whose normalized output only an MLP reads (a
+    tritondnn Sequential of Linear, activation, Linear and an optional activation, ``mlp_parts``)
     with one ``add_norm_mlp`` call where the add_norm was (the MLP reads nothing else); returns
     the (MLP's name, pattern) of each."""
     fused = []
@@ -413,6 +416,8 @@ def _rewrite_norm_mlp(graph: fx.Graph, root: nn.Module) -> list[tuple[str, str]]
         if norm_mlp.mlp_parts(root.get_submodule(mlp.target)) is None:
             continue
         norm, a, b = node.args
+        if type(root.get_submodule(norm.target)) is not LayerNorm:
+            continue  # (the node runs a layer norm's program)
         with graph.inserting_before(node):
             fused_call = graph.call_function(add_norm_mlp, (norm, graph.get_attr(mlp.target), a, b))
             out = graph.call_function(operator.getitem, (fused_call, 0))

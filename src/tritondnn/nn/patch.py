@@ -49,9 +49,10 @@ Selector = type[nn.Module] | str
 class PatchReport:
     """What ``patch`` did: ``replaced`` (qualified name, class) and ``skipped`` (qualified name,
     class, reason), in module order; ``sdpa`` whether ``F.scaled_dot_product_attention`` is routed
-    through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified norm name, pattern)
-    for each batch norm that ``fuse=True`` joined with its convolution or ReLU, and each layer or
-    RMS norm it joined with the add before it."""
+    through ``tdnn.sdpa`` during the model's forward; ``fused`` (qualified name, pattern) for
+    each batch norm that ``fuse=True`` joined with its convolution or ReLU, each layer or RMS norm
+    it joined with the add before it, and each MLP it joined with the add and layer norm before
+    it."""
 
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
@@ -102,8 +103,11 @@ def patch(
             ``relu(bn(conv(y)) + x)``), or an add into a LayerNorm or RMSNorm (``norm2(x +
             attn(norm1(x)))``), to run each chain as one autograd node; see
             ``tritondnn.nn.fusion`` for what tracing fixes; a block's conv + batch norm
-            pairs run as one node. Patched ``Sequential`` containers fuse Conv2d + BatchNorm
-            (+ ReLU) and BatchNorm + ReLU either way. Under autocast, each forward of the model
+            pairs run as one node, and so do an add + layer norm and the MLP (a patched
+            ``Sequential`` of Linear, activation, Linear) reading its output alone. Patched
+            ``Sequential`` containers fuse Conv2d + BatchNorm (+ ReLU), BatchNorm + ReLU, Linear +
+            activation, and Linear, activation, Linear (one node where autograd records) either
+            way. Under autocast, each forward of the model
             casts the fp32 weights of its fused convolutions and of its linear layers in one
             launch as it begins (those the previous forward used; with autograd on); a weight
             written in place later in the forward is cast again by its call, unless written

@@ -121,6 +121,47 @@ class _Backward:
         return d
 
 
+def _operand_grads(
+    grad, x, y, pre, alpha, p0, p1, grad_dtypes, rows, transposed, activation, bias_kind, bias_dtype,
+    need_a, need_b, need_bias,
+):  # fmt: skip
+    """(dA, dB, dbias, dpre, the gradient as the product's rows) through the matmul op's kernels:
+    plans called directly in eager mode, the custom ops when tracing (compiled autograd, a
+    gradient that is not a plain tensor), where ``_Backward`` needs plain tensors."""
+    a = x if rows is None else x.view(rows)
+    b = y.mT if transposed else y
+    if rows is not None:  # the output was allocated in the caller's shape
+        grad = grad.reshape(rows[0], b.shape[-1])
+    dpre, dbias = grad, None
+    if activation >= 0 or (need_bias and bias_kind):
+        dpre_t, dbias = _grad_epilogue(
+            grad, pre, activation, p0, p1, bias_kind if need_bias else 0, bias_dtype
+        )
+        dpre = grad if dpre_t is None else dpre_t
+    da = db = None
+    if need_a or need_b:
+        d = dpre if dpre.dtype == a.dtype else dpre.to(a.dtype)
+        # One 16-byte-aligned copy for both products where the rows are not (logits over a
+        # vocabulary), as in _Backward: each product would repack its own. Under torch.compile
+        # it matters most: dynamo hands an autograd.Function's backward contiguous gradients,
+        # so the loss's aligned gradient rows arrive here unaligned, and inductor fuses its
+        # contiguous copy into this one.
+        padded = padded_rows(d) if need_a and need_b else None
+        d = d if padded is None else padded
+        none = (None,) * 3
+        da_dtype, db_dtype = grad_dtypes or (a.dtype, b.dtype)
+        if need_a:
+            shape = x.shape if rows else None
+            da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, da_dtype, shape)[0]
+        if need_b:  # in B's memory order, as in _Backward
+            if _grad_transposed(b, transposed):
+                db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
+                db = db if transposed else db.mT
+            else:
+                db = _product(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
+    return da, db, dbias, dpre, grad
+
+
 class _MatmulFunction(torch.autograd.Function):
     """Forward through the matmul op; backward: dpre = g * act'(pre), dA = alpha dpre B^T,
     dB = alpha A^T dpre (the same kernels, on transposed views), dbias = sum of dpre,
@@ -178,42 +219,13 @@ class _MatmulFunction(torch.autograd.Function):
         need_a, need_b, need_c, need_bias, need_residual = ctx.needs_input_grad[:5]
         bias_dtype = bias_meta[1] if bias_meta else grad.dtype
         grad_dtypes = ctx.grad_dtypes
+        flags = (rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b, need_bias)
         if ctx.plan is not None and c_meta is None and residual_meta is None and direct_call(grad):
-            flags = (rows, transposed, activation, bias_kind, bias_dtype, need_a, need_b, need_bias)
             program = _backward_program(ctx.plan, grad, grad_dtypes, *flags)
             da, db, dbias = program(grad, x, y, pre, alpha, p0, p1)
             return _summed(da, x), _summed(db, y), None, dbias, None, *(None,) * 13
-        a = x if rows is None else x.view(rows)
-        b = y.mT if transposed else y
-        if rows is not None:  # the output was allocated in the caller's shape
-            grad = grad.reshape(rows[0], b.shape[-1])
-        dpre, dbias = grad, None
-        if activation >= 0 or (need_bias and bias_kind):
-            dpre_t, dbias = _grad_epilogue(
-                grad, pre, activation, p0, p1, bias_kind if need_bias else 0, bias_dtype
-            )
-            dpre = grad if dpre_t is None else dpre_t
-        da = db = dc = dres = None
-        if need_a or need_b:
-            d = dpre if dpre.dtype == a.dtype else dpre.to(a.dtype)
-            # One 16-byte-aligned copy for both products where the rows are not (logits over a
-            # vocabulary), as in _Backward: each product would repack its own. Under torch.compile
-            # it matters most: dynamo hands an autograd.Function's backward contiguous gradients,
-            # so the loss's aligned gradient rows arrive here unaligned, and inductor fuses its
-            # contiguous copy into this one.
-            padded = padded_rows(d) if need_a and need_b else None
-            d = d if padded is None else padded
-            none = (None,) * 3
-            da_dtype, db_dtype = grad_dtypes or (a.dtype, b.dtype)
-            if need_a:
-                shape = x.shape if rows else None
-                da = _product(d, b.mT, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, da_dtype, shape)[0]
-            if need_b:  # in B's memory order, as in _Backward
-                if _grad_transposed(b, transposed):
-                    db = _product(d.mT, a, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
-                    db = db if transposed else db.mT
-                else:
-                    db = _product(a.mT, d, *none, alpha, 0.0, 0, -1, 0.0, 0.0, False, db_dtype)[0]
+        da, db, dbias, dpre, grad = _operand_grads(grad, x, y, pre, alpha, p0, p1, grad_dtypes, *flags)
+        dc = dres = None
         if need_c:
             dc = (dpre * beta).sum_to_size(c_meta[0]).to(c_meta[1])
         if need_residual:
@@ -281,23 +293,34 @@ def pair_backward(grad, saved, chain, need_x, need_w1, need_b1, need_w2, need_b2
     first, second, dtypes1, dtypes2, b1_dtype, b2_dtype = chain
     need_h = need_x or need_w1 or need_b1
     flags = (second.activation, second.bias_kind, b2_dtype or grad.dtype, need_h, need_w2, need_b2)
-    program = _backward_program(second.plan, grad, dtypes2, second.rows, True, *flags)
-    dh, dw2, db2 = program(grad, h, w2, pre2, 1.0, second.p0, second.p1)
+    dh, dw2, db2 = _product_grads(second, grad, h, w2, pre2, dtypes2, *flags)
     dx = dw1 = db1 = None
     if need_h:
         flags = (first.activation, first.bias_kind, b1_dtype or dh.dtype, need_x, need_w1, need_b1)
-        program = _backward_program(first.plan, dh, dtypes1, first.rows, True, *flags)
-        dx, dw1, db1 = program(dh, x, w1, pre1, 1.0, first.p0, first.p1)
+        dx, dw1, db1 = _product_grads(first, dh, x, w1, pre1, dtypes1, *flags)
     return dx, dw1, db1, dw2, db2
 
 
-def no_double_backward(what: str) -> None:
+def _product_grads(product: Product, grad, x, w, pre, grad_dtypes, activation, bias_kind, bias_dtype,
+                   need_x, need_w, need_bias) -> tuple:  # fmt: skip
+    """(dx, dw, dbias) of one product of a chain: its ``_Backward`` program, or where the gradient
+    is not a plain tensor of an eager call (compiled autograd traces the backward) the op's
+    traceable path."""
+    flags = (activation, bias_kind, bias_dtype, need_x, need_w, need_bias)
+    if direct_call(grad):
+        program = _backward_program(product.plan, grad, grad_dtypes, product.rows, True, *flags)
+        return program(grad, x, w, pre, 1.0, product.p0, product.p1)
+    args = (grad, x, w, pre, 1.0, product.p0, product.p1, grad_dtypes, product.rows, True)
+    return _operand_grads(*args, *flags)[:3]
+
+
+def no_double_backward(what: str, remedy: str = "patch the model without fuse=True") -> None:
     """Fused nodes' backwards are not differentiable: autograd runs them with grad mode on only
     for ``create_graph=True``, whose gradients would silently treat them as constants."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"tritondnn: a fused {what} node has no double backward (create_graph=True); "
-            "patch the model without fuse=True for higher-order gradients"
+            f"{remedy} for higher-order gradients"
         )
 
 
@@ -315,7 +338,7 @@ class _LinearPairFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        no_double_backward("pair of linear layers")
+        no_double_backward("pair of linear layers (a patched Sequential's)", "unpatch the model")
         return *pair_backward(grad, ctx.saved_tensors, ctx.chain, *ctx.needs_input_grad[:5]), None, None, None
 
 

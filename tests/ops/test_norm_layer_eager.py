@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_autograd_outputs import _OpCounter
 from test_norm_layer import _compare, _grads
 
 import tritondnn as tdnn
@@ -126,10 +127,11 @@ def test_repeated_calls_with_a_narrower_residual(counted):
 
 
 @pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
-def test_fused_add_under_autocast_stores_the_products_copy(op, counted):
+def test_fused_add_under_autocast_stores_the_products_copy_and_a_narrow_residuals_gradient(op, counted):
     """Under autocast (fp16: the interpreter's bf16 products are wrong) an fp32 input's fused add
-    and norm also stores the output in fp16, kept for the product it feeds (the bits of a cast);
-    a residual narrower than the input gets its gradient in its own dtype, the input's rounded.
+    and norm also stores the output in fp16, kept for the product it feeds (the bits of a cast),
+    and a residual narrower than the input gets its gradient in its own dtype from the backward
+    kernel: the bits of the input's gradient rounded, as the autograd engine's cast gave them.
     Without autocast no copy is kept."""
     from tritondnn.core.autocast import lowered
 
@@ -146,7 +148,9 @@ def test_fused_add_under_autocast_stores_the_products_copy(op, counted):
         assert y.dtype == total.dtype == torch.float32
         assert low is lowered(y, torch.float16) and torch.equal(low, y.detach().half())
         dy, ds = randn(3, 5, 24), randn(3, 5, 24)
-        dx, dr = torch.autograd.grad((y, total), (x, r), (dy, ds))
+        with _OpCounter() as ops:
+            dx, dr = torch.autograd.grad((y, total), (x, r), (dy, ds))
+        assert not ops.seen["_to_copy"]  # no cast of the engine's
         assert dr.dtype == torch.float16 and torch.equal(dr, dx.half())
         wide = [t.double().requires_grad_() for t in (x, r)]
         ref = _theirs(op, 24)(wide[0], w.double(), None if b is None else b.double(), wide[1])

@@ -82,7 +82,8 @@ def layer_norm_reference(
 class LayerNormProblem(Problem):
     """One launch over (n_rows, n_cols) row views. ``strides``: the row strides of the launch's
     row tensors (forward: x, residual, y, sum; backward: dy, x, dsum, dx). ``lower``: the forward
-    also stores y rounded to a lower dtype (the last of ``dtypes``; see ``_layer_norm_autocast``)."""
+    also stores y rounded to a lower dtype (the last of ``dtypes``; see ``_layer_norm_autocast``),
+    the backward dx (the gradient of a narrower residual, ``_eager_program``)."""
 
     backward: bool
     rms: bool
@@ -167,7 +168,7 @@ class _RowEngine(Engine[LayerNormProblem]):
         run = launcher(
             _backward_kernel,
             (programs,),
-            num_tensors=9,
+            num_tensors=10,
             ints=(p.n_rows, p.n_cols, *p.strides),
             constexprs=(
                 p.acc,
@@ -180,6 +181,7 @@ class _RowEngine(Engine[LayerNormProblem]):
                 p.need_db,
                 self.one_block,
                 p.index_64,
+                p.lower,
                 block_r,
                 block_n,
             ),
@@ -189,14 +191,14 @@ class _RowEngine(Engine[LayerNormProblem]):
         # accumulates into them, so they start at zero.
         shape = (p.need_dw + p.need_db, programs, p.n_cols)
 
-        def backward(dy, x, w, b, stats, dsum, dx, dw, db, p0, p1) -> None:
+        def backward(dy, x, w, b, stats, dsum, dx, dw, db, dlow, p0, p1) -> None:
             if not (p.need_dw or p.need_db):
-                run(dy, x, w, b, stats, dsum, dx, x, x, p0, p1)
+                run(dy, x, w, b, stats, dsum, dx, x, x, dlow, p0, p1)
                 return
             part = stats.new_empty(*shape) if self.one_block else stats.new_zeros(shape)
             dw_part = part if p.need_dw else x
             db_part = part[1] if p.need_dw and p.need_db else (part if p.need_db else x)
-            run(dy, x, w, b, stats, dsum, dx, dw_part, db_part, p0, p1)
+            run(dy, x, w, b, stats, dsum, dx, dw_part, db_part, dlow, p0, p1)
             # Second stage: one fixed-order sum over the programs' partials (deterministic).
             if p.need_dw:
                 sum_partials(part, dw, db if p.need_db else None)
@@ -348,28 +350,32 @@ def _fake_backward(dy, x, weight, bias, stats, dsum, n_cols, rms, act, act_p0, a
     return _dense(x), *param_grads(x, weight, bias, need_dw, need_db)
 
 
-def _backward_args(dy, x, weight, bias, stats, dsum, dx, dw, db, n_cols, act_p0, act_p1) -> tuple:
-    """The backward kernel's tensors (rows as (rows, n_cols) views) and floats."""
+def _backward_args(dy, x, weight, bias, stats, dsum, dx, dw, db, dlow, n_cols, act_p0, act_p1) -> tuple:
+    """The backward kernel's tensors (rows as (rows, n_cols) views) and floats; ``dlow``: dx's
+    lower-precision copy (contiguous), or None."""
     x2, dy2 = rows_view(x, n_cols), rows_view(dy, n_cols)
     dsum2 = rows_view(dsum, n_cols) if dsum is not None else x2
     w = weight if weight is not None else x2
     b = bias if bias is not None else x2
-    return (dy2, x2, w, b, stats, dsum2, dx.view(-1, n_cols), dw, db, act_p0, act_p1)
+    dlow2 = dlow.view(-1, n_cols) if dlow is not None else x2
+    return (dy2, x2, w, b, stats, dsum2, dx.view(-1, n_cols), dw, db, dlow2, act_p0, act_p1)
 
 
-def _backward_plan(args: tuple, rms: bool, act: int, *flags: bool) -> Callable:
+def _backward_plan(args: tuple, rms: bool, act: int, *flags: bool, lower: bool = False) -> Callable:
     """The bound backward launch for ``_backward_args``'s ``args``, cached by what it depends on;
-    ``flags``: has_w, has_b, has_dsum, need_dw, need_db."""
+    ``flags``: has_w, has_b, has_dsum, need_dw, need_db; ``lower``: dx also stored in the dtype
+    of ``args``' ``dlow``."""
     dy2, x2, w, _, _, dsum2 = args[:6]
     n_rows, n_cols = x2.shape
     strides = (dy2.stride(0), x2.stride(0), dsum2.stride(0), n_cols)
     has_w, has_b, has_dsum, need_dw, need_db = flags
     flags = (rms, False, has_w, has_b, act, has_dsum, need_dw, need_db)
-    key = (True, *flags, n_rows, n_cols, strides, x2.dtype, w.dtype, dy2.dtype)
+    dtypes = (x2.dtype, w.dtype, dy2.dtype, *((args[9].dtype,) if lower else ()))
+    key = (True, *flags, n_rows, n_cols, strides, *dtypes)
 
     def problem() -> LayerNormProblem:
-        names = (dtype_name(x2.dtype), dtype_name(w.dtype), dtype_name(dy2.dtype))
-        return LayerNormProblem(True, *flags, names, n_rows, n_cols, strides)
+        names = tuple(dtype_name(d) for d in dtypes)
+        return LayerNormProblem(True, *flags, names, n_rows, n_cols, strides, lower)
 
     return FAMILY.plan(key, problem, lambda: args)
 
@@ -403,7 +409,7 @@ def _backward(
         dw.zero_()
         db.zero_()
         return dx, dw, db
-    args = _backward_args(dy, x, weight, bias, stats, dsum, dx, dw, db, n_cols, act_p0, act_p1)
+    args = _backward_args(dy, x, weight, bias, stats, dsum, dx, dw, db, None, n_cols, act_p0, act_p1)
     flags = (weight is not None, bias is not None, dsum is not None, need_dw, need_db)
     _backward_plan(args, rms, act, *flags)(*args)
     return dx, dw, db
@@ -472,12 +478,15 @@ def _eager_program(
     plans bound here, the tensors passed as they are (the key fixes their strides, and their rows
     are views, so a launch reads only their addresses). None where the call needs the general
     path (an empty input, rows that are copies). Arguments as ``_forward``'s; ``low_dtype``: a
-    dtype y is also stored in, kept as y's copy (``core.autocast.attach_lowered``)."""
+    dtype y is also stored in, kept as y's copy (``core.autocast.attach_lowered``). A residual
+    narrower than x (a bf16 branch onto an fp32 stream) gets its gradient in its dtype from the
+    backward kernel, as it writes dx."""
     if not x.numel() or not _rows_in_place(x, n_cols):
         return None
     if residual is not None and not _rows_in_place(residual, n_cols):
         return None
     has_res, flags = residual is not None, (weight is not None, bias is not None)
+    narrow_res = residual.dtype if has_res and residual.dtype != x.dtype else None
     y, stats = _dense(x), _stats(x, n_cols)
     total = _dense(x) if has_res else _empty(x)
     lower = low_dtype is not None
@@ -498,34 +507,37 @@ def _eager_program(
             attach_lowered(y, low)
         return y, total, stats
 
-    backward_plans: dict[tuple, Callable] = {}  # by (config version, need_dw, need_db, has_dsum)
+    # by (config version, need_dw, need_db, has_dsum, the residual's gradient lowered)
+    backward_plans: dict[tuple, Callable] = {}
 
     def backward(dy, x, weight, bias, stats, dsum, need_dw, need_db, need_dres):
-        """(dx, the residual's gradient or None, dw or None, db or None). A residual narrower
-        than x gets dx, which autograd casts: storing dx rounded from the kernel as well took
-        GPT-2 small's 26 norm backward kernels from 1.16 to 2.01 ms a step on H200s (session 45,
-        three machines' profiles), where autograd's 24 casts took 0.2 ms."""
+        """(dx, the residual's gradient or None, dw or None, db or None)."""
         if dy.stride() != out_strides or (dsum is not None and dsum.stride() != out_strides):
             dx, dw, db = _backward(
                 dy, x, weight, bias, stats, dsum, n_cols, rms, act, p0, p1, need_dw, need_db
             )
             return dx, dx if need_dres else None, dw if need_dw else None, db if need_db else None
         dx = _dense(x)
+        lower = need_dres and narrow_res is not None
+        dres = torch.empty_like(dx, dtype=narrow_res) if lower else (dx if need_dres else None)
         dw = torch.empty_like(weight) if need_dw else None
         db = torch.empty_like(bias) if need_db else None
         w = weight if weight is not None else x
         b = bias if bias is not None else x
         dsum_or_x = dsum if dsum is not None else x
-        args = (dy, x, w, b, stats, dsum_or_x, dx, dw if need_dw else x, db if need_db else x, p0, p1)
-        key = (config.version, need_dw, need_db, dsum is not None)
+        args = (dy, x, w, b, stats, dsum_or_x, dx, dw if need_dw else x, db if need_db else x)
+        args += (dres if lower else x, p0, p1)
+        key = (config.version, need_dw, need_db, dsum is not None, lower)
         plan = backward_plans.get(key)
         if plan is None:
-            full = _backward_args(dy, x, weight, bias, stats, dsum, dx, *args[7:9], n_cols, p0, p1)
+            full = _backward_args(
+                dy, x, weight, bias, stats, dsum, dx, *args[7:9], dres if lower else None, n_cols, p0, p1
+            )  # fmt: skip
             plan = backward_plans[key] = _backward_plan(
-                full, rms, act, *flags, dsum is not None, need_dw, need_db
+                full, rms, act, *flags, dsum is not None, need_dw, need_db, lower=lower
             )
         plan(*args)
-        return dx, dx if need_dres else None, dw, db
+        return dx, dres, dw, db
 
     program = (forward, backward)
 

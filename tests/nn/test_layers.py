@@ -456,6 +456,22 @@ def test_sequential_runs_a_linear_pair_as_one_node(last):
         torch.autograd.grad(ours(x).sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (0, 5, 8), (2, 0, 8)])
+def test_linear_layers_on_an_empty_batch(shape):
+    """Linear, GELU, Linear on an input with no rows, call after call (the pair's node from the
+    second): empty outputs and input gradients, zero weight and bias gradients, as torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(DEVICE)
+    ours = copy.deepcopy(model)
+    tnn.patch(ours)
+    for _ in range(3):
+        x = randn(*shape)
+        (got, dgot), (want, dwant) = _run(ours, x, 5), _run(model, x, 5)
+        assert got.shape == want.shape
+        for a, b in zip(dgot, dwant):
+            assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_linear_pair_under_compiled_autograd():
     """Compiled autograd traces the pair node's backward (its gradient a traced tensor): the
     products' traceable path runs there, the gradients as torch's against float64."""

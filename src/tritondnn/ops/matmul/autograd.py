@@ -11,7 +11,7 @@ from ...core.autocast import lowered, lowered_weight
 from ...core.library import direct_call, functorch_active, raw_apply
 from .engines import padded_rows
 from .library import _epilogue_backward, _forward
-from .plans import backward_plan, forward_plan
+from .plans import as_batches, backward_plan, forward_plan
 
 
 def _product(a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1, store_pre, out_dtype,
@@ -32,7 +32,7 @@ def _grad_epilogue(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
     """``_epilogue_backward``'s (dpre or None, dbias or None), its plan called directly in eager mode."""
     if direct_call(grad):
         m, n = grad.shape[-2:]
-        g3, pre3 = grad.reshape(-1, m, n), None if pre is None else pre.reshape(-1, m, n)
+        g3, pre3 = as_batches(grad, m, n), None if pre is None else as_batches(pre, m, n)
         dpre, dbias = backward_plan(g3, pre3, activation, bias_kind, bias_dtype)(g3, pre3, p0, p1)
         return None if dpre is None else dpre.view(grad.shape), dbias
     dpre, dbias = _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype)
@@ -91,7 +91,7 @@ class _Backward:
         g = grad if self.rows is None else grad.reshape(self.rows[0], n)
         if self.activation >= 0 or self.bias_kind:
             m = g.shape[-2]
-            g3, pre3 = g.reshape(-1, m, n), None if pre is None else pre.reshape(-1, m, n)
+            g3, pre3 = as_batches(g, m, n), None if pre is None else as_batches(pre, m, n)
             self.epilogue = backward_plan(g3, pre3, self.activation, self.bias_kind, self.bias_dtype)
         d_dtype = pre.dtype if self.activation >= 0 else g.dtype
         self.cast = x.dtype if d_dtype != x.dtype else None

@@ -12,7 +12,7 @@ import torch
 from ...core.library import custom_op
 from ...core.strides import broadcast_shapes
 from .engines import preactivation_dtype
-from .plans import backward_plan, forward_plan
+from .plans import as_batches, backward_plan, forward_plan
 
 
 def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
@@ -74,9 +74,8 @@ def _fake_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
 def _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
     """(dpre, dbias) from the output gradient and the stored pre-activation, both (..., M, N)."""
     m, n = grad.shape[-2:]
-    g3 = grad.reshape(-1, m, n)
-    run = backward_plan(g3, None if pre is None else pre.reshape(-1, m, n), activation, bias_kind, bias_dtype)
-    dpre, dbias = run(g3, None if pre is None else pre.reshape(-1, m, n), p0, p1)
+    g3, pre3 = as_batches(grad, m, n), None if pre is None else as_batches(pre, m, n)
+    dpre, dbias = backward_plan(g3, pre3, activation, bias_kind, bias_dtype)(g3, pre3, p0, p1)
     return (
         grad.new_empty(0) if dpre is None else dpre.view(grad.shape),
         grad.new_empty(0, dtype=bias_dtype) if dbias is None else dbias,

@@ -142,6 +142,14 @@ def _forward_run(problem, out_shape, swapped, example) -> Callable[..., tuple]:
     return run
 
 
+def as_batches(t: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``t.reshape(-1, m, n)``, also where M or N is 0 (-1 would be ambiguous there): the batch is
+    then the dimensions before the last two where those are (M, N), else one (the rows merged)."""
+    if m * n:
+        return t.reshape(-1, m, n)
+    return t.reshape(math.prod(t.shape[:-2]) if tuple(t.shape[-2:]) == (m, n) else 1, m, n)
+
+
 def backward_plan(
     grad: torch.Tensor, pre: torch.Tensor | None, activation: int, bias_kind: int, bias_dtype: torch.dtype
 ) -> Callable[..., tuple]:

@@ -90,3 +90,18 @@ def test_bad_input_under_autocast_names_the_op():
     match = "tdnn.linear: argument 'weight' has shape"
     with pytest.raises(ValueError, match=match), torch.autocast(DEVICE_TYPE, dtype=LOW):
         mm.linear(randn(4, 32), randn(24, 16))
+
+
+def test_repeated_calls_keep_no_tensor_alive():
+    """The cached path's key is built from the call's tensors, not kept with them: a call's
+    input, weight and bias are freed with their last reference."""
+    import gc
+    import weakref
+
+    for _ in range(2):  # the first call is checked, the second takes the cached path
+        x, w, b = randn(6, 32).requires_grad_(), randn(24, 32), randn(24)
+        mm.linear(x, w, b).sum().backward()
+        refs = [weakref.ref(t) for t in (x, w, b)]
+        del x, w, b
+        gc.collect()
+        assert all(r() is None for r in refs)

@@ -471,7 +471,6 @@ def _linear(input, weight, bias, activation, activation_params, residual, out_dt
     return out
 
 
-@functools.cache
 def linear_key(input, weight, bias, activation, activation_params, cast, grad: bool) -> tuple:
     """The key of ``linear``'s cached eager calls (``_eager``) for a call on plain tensors of one
     device without residual or out_dtype: ``grad``, whether autograd records it; ``cast``, the
@@ -484,5 +483,6 @@ def linear_key(input, weight, bias, activation, activation_params, cast, grad: b
     )  # fmt: skip
 
 
+@functools.cache
 def _params(activation: str | None, activation_params: tuple[float, ...]) -> tuple[float, float]:
     return Epilogue(activation=activation, activation_params=activation_params).params

@@ -40,6 +40,23 @@ def _linear_activation(linear: nn.Linear, then: nn.Module, activation: str, x: t
     return linear_call(linear, x, activation, lambda: then(nn.Linear.forward(linear, x)))
 
 
+def linear_pair_at(modules: list[nn.Module], i: int) -> tuple | None:
+    """(first Linear, its activation's name, the activation module, second Linear, the second's
+    activation (name, module) or None, how many modules that is) where ``modules[i:]`` begins
+    with tritondnn's Linear, a fusable activation, Linear and maybe another fusable activation,
+    none of them with hooks (one node: ``layers.linear_pair_call``); else None."""
+    first, then, second, last = (modules[j] if j < len(modules) else None for j in range(i, i + 4))
+    if type(first) is not Linear or type(second) is not Linear or any(map(_hooked, (first, then, second))):
+        return None
+    activation = _fusable_activation(then)
+    if activation is None:
+        return None
+    last_activation = None if last is None or _hooked(last) else _fusable_activation(last)
+    if last_activation is None:
+        return first, activation, then, second, None, 3
+    return first, activation, then, second, (last_activation, last), 4
+
+
 def _relu(module: nn.Module | None) -> bool:
     return type(module) is ReLU and not _hooked(module)
 
@@ -65,16 +82,15 @@ class Sequential(nn.Sequential):
             module = modules[i]
             then = modules[i + 1] if i + 1 < len(modules) else None
             pair = then is not None and on_backend(input) and not (_hooked(module) or _hooked(then))
-            if pair and type(module) is Linear and _fusable_activation(then) is not None:
-                after, last = (modules[j] if j < len(modules) else None for j in (i + 2, i + 3))
-                if type(after) is Linear and not _hooked(after):
-                    fused_last = last is not None and not _hooked(last) and _fusable_activation(last)
-                    tail = (_fusable_activation(last), last) if fused_last else None
-                    input = linear_pair_call(module, _fusable_activation(then), then, after, input, tail)
-                    i += 4 if fused_last else 3
-                else:
-                    input = _linear_activation(module, then, _fusable_activation(then), input)
-                    i += 2
+            activation = _fusable_activation(then) if pair and type(module) is Linear else None
+            products = linear_pair_at(modules, i) if activation is not None else None
+            if products is not None:
+                *parts, taken = products
+                input = linear_pair_call(*parts[:4], input, parts[4])
+                i += taken
+            elif activation is not None:
+                input = _linear_activation(module, then, activation, input)
+                i += 2
             elif pair and type(module) is Conv2d and fusable_batch_norm(then):
                 relu = i + 2 < len(modules) and _relu(modules[i + 2])
                 input = conv_batch_norm(module, then, input, None, relu)

@@ -151,14 +151,15 @@ def add_norm_mlp(norm: nn.Module, mlp: nn.Module, a: Any, b: Any) -> tuple[Any, 
     (``norm_mlp``) where it was kept for such a call, else ``add_norm`` and then the MLP's call,
     after which the node is kept if both ran their cached paths."""
     operands = _add_norm_operands_at_run_time(norm, a, b)
-    if operands is not None:
-        fused = norm_mlp.fused_call(norm, mlp, *operands)
-        if fused is not None:
-            return fused
-    normalized, total = add_norm(norm, a, b)
+    if operands is None:
+        total = a + b
+        return mlp(norm(total)), total
+    fused = norm_mlp.fused_call(norm, mlp, *operands)
+    if fused is not None:
+        return fused
+    normalized, total = norm.forward_add(*operands)
     out = mlp(normalized)
-    if operands is not None:
-        norm_mlp.remember(norm, mlp, *operands, normalized)
+    norm_mlp.remember(norm, mlp, *operands, normalized)
     return out, total
 
 

@@ -22,11 +22,10 @@ from ..core.library import functorch_active, raw_apply
 from ..ops.matmul.autograd import no_double_backward, pair_backward, pair_forward
 from ..ops.norm import layer as layer_norm_ops
 from . import cache
-from .containers import Sequential, _fusable_activation
+from .containers import Sequential, linear_pair_at
 from .layers import (
     _LINEAR_PAIR,
     LayerNorm,
-    Linear,
     _hooked,
     _linear_print,
     _own_print,
@@ -69,31 +68,20 @@ class _NormLinearPairFunction(torch.autograd.Function):
 
 _apply = raw_apply(_NormLinearPairFunction)
 
-# On the norm: (its key, (dtype, requires_grad, print) of its output, the first Linear's print on
-# it, the pair's entry (its print, the second's own print, (first, second, cast)), the norm's program)
+# On the norm: (its key, (dtype, requires_grad, print) of its output, the pair's entry on the first
+# Linear (that Linear's print on the output, the second's own print, (first, second, cast)), the
+# norm's program)
 _NORM_PAIR = "_tdnn_norm_linear_pair"
 
 
 def mlp_parts(mlp: nn.Module) -> tuple | None:
-    """(first Linear, its activation's name, the activation module, second Linear, the second's
-    activation (name, module) or None) of a tritondnn Sequential that is exactly that, no hooks on
-    any of them; else None."""
+    """``containers.linear_pair_at``'s parts (without the count) of a tritondnn Sequential that is
+    exactly a Linear pair, no hooks on it; else None."""
     if type(mlp) is not Sequential or _hooked(mlp):
         return None
     modules = list(mlp._modules.values())
-    if len(modules) not in (3, 4) or any(m is None or _hooked(m) for m in modules):
-        return None
-    first, then, second = modules[:3]
-    act = _fusable_activation(then)
-    if type(first) is not Linear or type(second) is not Linear or act is None:
-        return None
-    last = None
-    if len(modules) == 4:
-        name = _fusable_activation(modules[3])
-        if name is None:
-            return None
-        last = (name, modules[3])
-    return first, act, then, second, last
+    parts = linear_pair_at(modules, 0)
+    return None if parts is None or parts[-1] != len(modules) else parts[:-1]
 
 
 def _norm_key(norm: nn.Module, input: torch.Tensor, residual: torch.Tensor) -> tuple | None:
@@ -109,10 +97,11 @@ def _norm_key(norm: nn.Module, input: torch.Tensor, residual: torch.Tensor) -> t
 
 def fused_call(norm: nn.Module, mlp: nn.Module, input: Any, residual: Any) -> tuple | None:
     """``(mlp(norm(input + residual)), input + residual)`` as one node where autograd records and
-    ``remember`` kept the node for such a call (input the operand whose dtype the sum takes), else
-    None (the caller runs the fused add + norm and the MLP as they are)."""
+    ``remember`` kept the node for such a call (input the operand whose dtype the sum takes; the
+    caller checked the norm for hooks), else None (the caller runs the fused add + norm and the
+    MLP as they are)."""
     entry = cache.cached(norm, _NORM_PAIR)
-    if entry is None or not torch.is_grad_enabled() or type(norm) is not LayerNorm or _hooked(norm):
+    if entry is None or not torch.is_grad_enabled() or type(norm) is not LayerNorm:
         return None
     parts = mlp_parts(mlp)
     if parts is None:
@@ -121,11 +110,11 @@ def fused_call(norm: nn.Module, mlp: nn.Module, input: Any, residual: Any) -> tu
     if key is None or key != entry[0]:
         return None
     first, act, _, second, last = parts
-    mark, pair = entry[2], entry[3]
-    if linear_print_of(first, *entry[1], act) != mark or _own_print(second, last and last[0]) != pair[1]:
+    _, spec, pair, program = entry
+    if linear_print_of(first, *spec, act) != pair[0] or _own_print(second, last and last[0]) != pair[1]:
         return None
     p, q, n = first._parameters, second._parameters, norm._parameters
-    args = (input, residual, n["weight"], n["bias"], p["weight"], p["bias"], q["weight"], q["bias"], entry[4])
+    args = (input, residual, n["weight"], n["bias"], p["weight"], p["bias"], q["weight"], q["bias"], program)
     args += pair[2]
     return _NormLinearPairFunction.apply(*args) if functorch_active() else _apply(*args)
 
@@ -149,4 +138,4 @@ def remember(norm: nn.Module, mlp: nn.Module, input: Any, residual: Any, normali
     if pair[1] != _own_print(second, last and last[0]):
         return
     spec = (normalized.dtype, normalized.requires_grad, cache.tensor_print(normalized))
-    cache.store(norm, _NORM_PAIR, (key, spec, mark, pair, fast.program))
+    cache.store(norm, _NORM_PAIR, (key, spec, pair, fast.program))

@@ -518,23 +518,23 @@ def _eager_program(
             )
             return dx, dx if need_dres else None, dw if need_dw else None, db if need_db else None
         dx = _dense(x)
-        lower = need_dres and narrow_res is not None
-        dres = torch.empty_like(dx, dtype=narrow_res) if lower else (dx if need_dres else None)
+        lower_dres = need_dres and narrow_res is not None
+        dres = torch.empty_like(dx, dtype=narrow_res) if lower_dres else (dx if need_dres else None)
         dw = torch.empty_like(weight) if need_dw else None
         db = torch.empty_like(bias) if need_db else None
         w = weight if weight is not None else x
         b = bias if bias is not None else x
         dsum_or_x = dsum if dsum is not None else x
         args = (dy, x, w, b, stats, dsum_or_x, dx, dw if need_dw else x, db if need_db else x)
-        args += (dres if lower else x, p0, p1)
-        key = (config.version, need_dw, need_db, dsum is not None, lower)
+        args += (dres if lower_dres else x, p0, p1)
+        key = (config.version, need_dw, need_db, dsum is not None, lower_dres)
         plan = backward_plans.get(key)
         if plan is None:
             full = _backward_args(
-                dy, x, weight, bias, stats, dsum, dx, *args[7:9], dres if lower else None, n_cols, p0, p1
+                dy, x, weight, bias, stats, dsum, dx, *args[7:9], dres if lower_dres else None, n_cols, p0, p1
             )  # fmt: skip
             plan = backward_plans[key] = _backward_plan(
-                full, rms, act, *flags, dsum is not None, need_dw, need_db, lower=lower
+                full, rms, act, *flags, dsum is not None, need_dw, need_db, lower=lower_dres
             )
         plan(*args)
         return dx, dres, dw, db

@@ -10,7 +10,7 @@ import torch
 from ...core.autocast import lowered, lowered_weight
 from ...core.library import direct_call, functorch_active, raw_apply
 from .engines import padded_rows
-from .library import _epilogue_backward, _forward
+from .library import _epilogue_backward, _forward, epilogue_grads
 from .plans import as_batches, backward_plan, forward_plan
 
 
@@ -31,10 +31,7 @@ def _product(a, b, c, bias, residual, alpha, beta, bias_kind, activation, p0, p1
 def _grad_epilogue(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
     """``_epilogue_backward``'s (dpre or None, dbias or None), its plan called directly in eager mode."""
     if direct_call(grad):
-        m, n = grad.shape[-2:]
-        g3, pre3 = as_batches(grad, m, n), None if pre is None else as_batches(pre, m, n)
-        dpre, dbias = backward_plan(g3, pre3, activation, bias_kind, bias_dtype)(g3, pre3, p0, p1)
-        return None if dpre is None else dpre.view(grad.shape), dbias
+        return epilogue_grads(grad, pre, activation, p0, p1, bias_kind, bias_dtype)
     dpre, dbias = _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype)
     return (dpre if activation >= 0 else None), (dbias if bias_kind else None)
 

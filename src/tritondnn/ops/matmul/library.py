@@ -73,10 +73,17 @@ def _fake_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
 )
 def _epilogue_backward(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
     """(dpre, dbias) from the output gradient and the stored pre-activation, both (..., M, N)."""
+    dpre, dbias = epilogue_grads(grad, pre, activation, p0, p1, bias_kind, bias_dtype)
+    return (
+        grad.new_empty(0) if dpre is None else dpre,
+        grad.new_empty(0, dtype=bias_dtype) if dbias is None else dbias,
+    )
+
+
+def epilogue_grads(grad, pre, activation, p0, p1, bias_kind, bias_dtype):
+    """``_epilogue_backward``'s implementation with absent results as None: (dpre in grad's shape
+    where there is an activation, dbias where there is a bias kind)."""
     m, n = grad.shape[-2:]
     g3, pre3 = as_batches(grad, m, n), None if pre is None else as_batches(pre, m, n)
     dpre, dbias = backward_plan(g3, pre3, activation, bias_kind, bias_dtype)(g3, pre3, p0, p1)
-    return (
-        grad.new_empty(0) if dpre is None else dpre.view(grad.shape),
-        grad.new_empty(0, dtype=bias_dtype) if dbias is None else dbias,
-    )
+    return None if dpre is None else dpre.view(grad.shape), dbias
